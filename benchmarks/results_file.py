@@ -1,0 +1,67 @@
+"""Write a benchmark's figures: a section of benchmarks/RESULTS.md and results/<name>.json.
+
+Each script owns one section, delimited by markers, so re-running one benchmark replaces its
+own figures and leaves the others' untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+BENCHMARKS = Path(__file__).resolve().parent
+RESULTS_MD = BENCHMARKS / "RESULTS.md"
+RESULTS_JSON_DIR = BENCHMARKS / "results"
+
+_HEADER = """# kroute benchmark results
+
+Figures measured on this project's machine (2 cores, shared and noisy): compare the rows of one
+run with each other, not with figures from another run. Each section says the command that
+produced it; re-running that command replaces the section.
+"""
+
+
+def machine_notes() -> str:
+    cpu = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, {platform.system()}"
+
+
+def git_revision() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],  # noqa: S607 - git from PATH, read-only
+            capture_output=True, text=True, check=True, cwd=BENCHMARKS, timeout=10,
+        ).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def write_json(name: str, data: dict[str, Any]) -> Path:
+    RESULTS_JSON_DIR.mkdir(exist_ok=True)
+    path = RESULTS_JSON_DIR / f"{name}.json"
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def write_section(name: str, markdown: str) -> Path:
+    begin, end = f"<!-- BEGIN {name} -->", f"<!-- END {name} -->"
+    text = RESULTS_MD.read_text() if RESULTS_MD.exists() else _HEADER
+    block = f"{begin}\n{markdown.strip()}\n{end}"
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + block + rest.split(end, 1)[1]
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    RESULTS_MD.write_text(text)
+    return RESULTS_MD

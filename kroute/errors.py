@@ -1,0 +1,18 @@
+"""Errors of the product shell (run command, embedded services).
+
+KrouteError(Exception)
+└── ServiceStartError   an embedded service could not be started; says which and what to do
+"""
+
+from __future__ import annotations
+
+
+class KrouteError(Exception):
+    """Base class for errors the run command reports to a person and exits on."""
+
+
+class ServiceStartError(KrouteError):
+    def __init__(self, service: str, detail: str) -> None:
+        self.service = service
+        self.detail = detail
+        super().__init__(f"{service}: {detail}")

@@ -1,0 +1,156 @@
+"""True end offsets (high watermarks) of Kafka partitions, read from Fetch responses.
+
+A consumer's `end_offsets()` / `seek_to_end()` asks ListOffsets(latest). Tansu answers that
+with the base offset of the partition's last record batch + 1, not the high watermark: a
+partition written as one batch of 10 records reports 1. The high watermark that every Fetch
+response carries is right on Tansu and on Apache Kafka alike, so lag and "caught up" are
+computed from it. tests/materializer/test_kafka_offsets.py shows both answers side by side.
+
+Broker quirks this module works around (measured on Tansu 0.6, see DESIGN.md):
+- a Fetch with max wait 0 comes back with no partitions at all, so we wait a few ms;
+- a Fetch past the end is answered without error on Tansu but with OFFSET_OUT_OF_RANGE (and no
+  high watermark) on Kafka, so we fetch from an offset inside the log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from aiokafka.client import AIOKafkaClient
+from aiokafka.protocol.fetch import FetchRequest
+from aiokafka.protocol.offset import OffsetRequest
+from aiokafka.structs import TopicPartition
+
+from materializer.errors import EndOffsetsError
+
+_NO_ERROR = 0
+_OFFSET_OUT_OF_RANGE = 1
+_EARLIEST_TIMESTAMP = -2
+_READ_UNCOMMITTED = 0
+# One byte per partition: the broker still returns at most one record batch (KIP-74), which
+# we discard; we only want the response header's high watermark.
+_PARTITION_MAX_BYTES = 1
+_FETCH_MAX_WAIT_MS = 10
+
+
+async def fetch_high_watermarks(
+    client: AIOKafkaClient,
+    topic: str,
+    partitions: Iterable[int],
+    *,
+    positions: Mapping[int, int] | None = None,
+    timeout_s: float = 5.0,
+) -> dict[int, int]:
+    """partition -> high watermark, from one Fetch per partition leader.
+
+    `positions` are offsets known to be inside each partition's log (a consumer's positions);
+    without them we fetch from 0 and fall back to the log start when 0 is out of range.
+    """
+    wanted = sorted(set(partitions))
+    fetch_from = {p: (positions or {}).get(p, 0) for p in wanted}
+    found: dict[int, int] = {}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        missing = [p for p in wanted if p not in found]
+        if not missing:
+            return found
+        if time.monotonic() >= deadline:
+            raise EndOffsetsError(topic, missing, f"no high watermark within {timeout_s:.1f}s")
+        out_of_range = await _fetch_once(client, topic, missing, fetch_from, found)
+        if out_of_range:
+            fetch_from.update(await _earliest_offsets(client, topic, out_of_range))
+        elif len(found) < len(wanted):
+            await asyncio.sleep(0.01)
+
+
+async def _fetch_once(
+    client: AIOKafkaClient,
+    topic: str,
+    partitions: list[int],
+    fetch_from: Mapping[int, int],
+    found: dict[int, int],
+) -> list[int]:
+    """Record the high watermarks one round of Fetches reports; return partitions out of range."""
+    out_of_range: list[int] = []
+    for node_id, node_partitions in (await _by_leader(client, topic, partitions)).items():
+        request = FetchRequest(
+            _FETCH_MAX_WAIT_MS,
+            0,  # min_bytes: answer at once, we want the header not the data
+            _PARTITION_MAX_BYTES,
+            _READ_UNCOMMITTED,
+            [(topic, [(p, fetch_from[p], _PARTITION_MAX_BYTES) for p in node_partitions])],
+        )
+        response = await client.send(node_id, request)
+        for entry in _partition_entries(response, topic):
+            partition, error_code = entry["partition"], entry["error_code"]
+            if error_code == _NO_ERROR and entry["highwater_offset"] >= 0:
+                found[partition] = entry["highwater_offset"]
+            elif error_code == _OFFSET_OUT_OF_RANGE:
+                out_of_range.append(partition)
+            elif error_code != _NO_ERROR:
+                raise EndOffsetsError(topic, [partition], f"Fetch error code {error_code}")
+    return out_of_range
+
+
+async def _earliest_offsets(
+    client: AIOKafkaClient, topic: str, partitions: list[int]
+) -> dict[int, int]:
+    earliest: dict[int, int] = {}
+    for node_id, node_partitions in (await _by_leader(client, topic, partitions)).items():
+        request = OffsetRequest(
+            -1, _READ_UNCOMMITTED, [(topic, [(p, _EARLIEST_TIMESTAMP) for p in node_partitions])]
+        )
+        response = await client.send(node_id, request)
+        for entry in _partition_entries(response, topic):
+            if entry["error_code"] != _NO_ERROR:
+                raise EndOffsetsError(
+                    topic, [entry["partition"]], f"ListOffsets error code {entry['error_code']}"
+                )
+            offset = entry["offset"] if "offset" in entry else entry["offsets"][0]
+            earliest[entry["partition"]] = offset
+    return earliest
+
+
+async def _by_leader(
+    client: AIOKafkaClient, topic: str, partitions: list[int]
+) -> dict[int, list[int]]:
+    metadata = await client.fetch_all_metadata()
+    known = metadata.partitions_for_topic(topic)
+    if known is None:
+        raise EndOffsetsError(topic, partitions, "topic does not exist")
+    by_leader: dict[int, list[int]] = defaultdict(list)
+    for partition in partitions:
+        leader = metadata.leader_for_partition(TopicPartition(topic, partition))
+        if partition not in known or leader is None or leader < 0:
+            raise EndOffsetsError(topic, [partition], "partition has no leader")
+        by_leader[leader].append(partition)
+    return by_leader
+
+
+def _partition_entries(response: Any, topic: str) -> list[dict[str, Any]]:
+    """The per-partition entries of a Fetch or ListOffsets response, as named fields."""
+    topics = response.to_object()["topics"]
+    return [
+        entry
+        for topic_entry in topics
+        if topic_entry.get("topic", topic_entry.get("topics")) == topic
+        for entry in topic_entry["partitions"]
+    ]
+
+
+async def end_offsets(
+    bootstrap_servers: str, topic: str, partitions: Iterable[int], timeout_s: float = 5.0
+) -> dict[int, int]:
+    """One-shot: connect, read the high watermarks, close. For tests, scripts and start-up."""
+    client = AIOKafkaClient(
+        bootstrap_servers=bootstrap_servers, request_timeout_ms=int(timeout_s * 1000)
+    )
+    await client.bootstrap()
+    try:
+        return await fetch_high_watermarks(client, topic, partitions, timeout_s=timeout_s)
+    finally:
+        await client.close()

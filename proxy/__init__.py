@@ -1,0 +1,1 @@
+"""The proxy: key -> partition -> replica -> forward. Built in issue #5."""

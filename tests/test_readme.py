@@ -1,0 +1,32 @@
+"""The README stays true: its configuration table and its commands match the code."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from kroute.settings import RunSettings
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+
+
+def test_configuration_table_lists_every_variable_with_its_default_and_meaning():
+    rows = dict(re.findall(r"^\| `(KROUTE_\w+)` \| (.*) \|$", README, flags=re.MULTILINE))
+    documented = {
+        name: (default, meaning) for name, default, meaning in RunSettings.documentation()
+    }
+    assert set(rows) == set(documented)
+    for name, (default, meaning) in documented.items():
+        assert rows[name] == f"`{default}` | {meaning}"
+
+
+def test_setup_commands_exist_and_are_executable():
+    for command in re.findall(r"^\./(scripts/\w+)", README, flags=re.MULTILINE):
+        path = ROOT / command
+        assert path.is_file(), command
+        assert path.stat().st_mode & 0o111, f"{command} is not executable"
+
+
+def test_ci_runs_the_readme_test_command():
+    assert "exec ./scripts/test" in (ROOT / ".ci" / "run").read_text()
