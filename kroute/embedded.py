@@ -138,6 +138,8 @@ class EmbeddedServices:
     processes: list[ManagedProcess] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        # Children run with cwd=workdir, so a relative path would mean something else to them.
+        self.workdir = self.workdir.resolve()
         self.workdir.mkdir(parents=True, exist_ok=True)
         atexit.register(self.stop)
 

@@ -47,13 +47,15 @@ def test_bad_setting_stops_run_before_starting_anything(monkeypatch, capsys):
 
 @pytest.mark.integration
 def test_run_starts_the_services_and_ctrl_c_stops_them(tmp_path):
-    env = {**os.environ, "KROUTE_WORKDIR": str(tmp_path)}
+    # As in the README: default settings, so the work directory is the relative ".run".
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KROUTE_")}
     with subprocess.Popen(
         [sys.executable, "-m", "kroute", "run"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         env=env,
+        cwd=tmp_path,
     ) as run:
         assert run.stdout is not None
         seen: list[str] = []
@@ -77,5 +79,6 @@ def test_run_starts_the_services_and_ctrl_c_stops_them(tmp_path):
         rest, _ = run.communicate(timeout=30)
     assert run.returncode == 0, rest
     assert "kroute: stopped." in rest
+    assert (tmp_path / ".run" / "redis-server.log").is_file()
     with pytest.raises(redis.ConnectionError):
         redis.Redis.from_url(redis_url, socket_connect_timeout=1).ping()
