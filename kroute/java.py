@@ -31,7 +31,8 @@ class JavaRuntime:
 
     @property
     def java_home(self) -> Path:
-        return self.java.parent.parent
+        # /usr/bin/java is usually a chain of symlinks into /usr/lib/jvm/<jdk>/bin/java.
+        return self.java.resolve().parent.parent
 
 
 class JavaNotFound(RuntimeError):

