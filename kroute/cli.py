@@ -15,9 +15,9 @@ import time
 from collections.abc import Sequence
 from types import FrameType
 
+from common.java import JavaNotFound, JavaRuntime, find_java
 from kroute.embedded import EmbeddedServices
 from kroute.errors import KrouteError
-from kroute.java import JavaNotFound, JavaRuntime, find_java
 from kroute.settings import RunSettings, SettingsError
 from partitioner import ALGORITHMS, KEY_FORMATS, PartitionerError, partition, serialize_key
 

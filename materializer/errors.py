@@ -19,3 +19,7 @@ class EndOffsetsError(MaterializerError):
         self.partitions = partitions
         self.reason = reason
         super().__init__(f"end offsets of {topic} partitions {partitions}: {reason}")
+
+
+class StoreError(MaterializerError):
+    retriable = False

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kroute.java import HOW_TO_GET_JAVA, JavaNotFound, find_java, java_major_version
+from common.java import HOW_TO_GET_JAVA, JavaNotFound, find_java, java_major_version
 
 
 def fake_java_home(root: Path, version_line: str) -> Path:

@@ -1,0 +1,1 @@
+"""Example transforms for the materializer's transform hook."""

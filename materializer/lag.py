@@ -1,0 +1,129 @@
+"""How far behind each hosted partition is: offsets from the store, end offsets from Kafka.
+
+A timer task reads the high watermarks (Fetch responses, see kafka_offsets) and the store's
+checkpoints, and publishes an immutable snapshot that the HTTP handlers read without waiting.
+
+Time lag is an upper bound on staleness: every record produced before the last moment this
+partition was seen caught up (offset lag 0) has been applied, so a value served now is at most
+`now - caught_up_at` old. A partition never seen caught up since start reports no time lag.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import structlog
+from aiokafka.client import AIOKafkaClient
+
+from materializer.kafka_offsets import fetch_high_watermarks
+from materializer.store import Store
+
+log = structlog.get_logger("kroute.materializer.lag")
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionLag:
+    partition: int
+    current_offset: int
+    end_offset: int | None  # None until the broker has answered once
+    newest_record_ms: int | None
+    caught_up_at_ms: int | None
+    end_offset_at_ms: int | None  # when end_offset was read
+
+    @property
+    def lag(self) -> int | None:
+        return None if self.end_offset is None else max(self.end_offset - self.current_offset, 0)
+
+    def time_lag_ms(self, at_ms: int) -> int | None:
+        if self.lag == 0:
+            return 0
+        return None if self.caught_up_at_ms is None else at_ms - self.caught_up_at_ms
+
+    def as_json(self, at_ms: int) -> dict[str, object]:
+        return {
+            "partition": self.partition,
+            "current_offset": self.current_offset,
+            "end_offset": self.end_offset,
+            "lag": self.lag,
+            "time_lag_ms": self.time_lag_ms(at_ms),
+            "newest_record_ms": self.newest_record_ms,
+            "caught_up": self.lag == 0,
+            "end_offset_age_ms": None
+            if self.end_offset_at_ms is None
+            else at_ms - self.end_offset_at_ms,
+        }
+
+
+class LagTracker:
+    def __init__(self, store: Store, topic: str, partitions: Callable[[], tuple[int, ...]]) -> None:
+        self._store = store
+        self._topic = topic
+        self._partitions = partitions
+        self.snapshot: dict[int, PartitionLag] = {}
+        self.broker_error: str | None = None
+
+    def refresh_offsets_only(self) -> None:
+        """Take the store's checkpoints without asking the broker (before it is reachable)."""
+        self.snapshot = self._build(None, now_ms())
+
+    async def refresh(self, client: AIOKafkaClient) -> None:
+        partitions = self._partitions()
+        positions = {
+            p: cp.next_offset
+            for p, cp in self._store.checkpoints().items()
+            if cp and p in partitions
+        }
+        try:
+            ends = await fetch_high_watermarks(
+                client, self._topic, partitions, positions=positions, timeout_s=2.0
+            )
+        except Exception as exc:  # noqa: BLE001 - keep serving; the report says the ends are old
+            if self.broker_error is None:
+                log.warning(
+                    "cannot read end offsets; lag reports keep the last known ends", error=str(exc)
+                )
+            self.broker_error = str(exc)
+            self.snapshot = self._build(None, now_ms())
+            return
+        self.broker_error = None
+        self.snapshot = self._build(ends, now_ms())
+
+    async def run(self, client: AIOKafkaClient, interval_s: float) -> None:
+        while True:
+            await self.refresh(client)
+            await asyncio.sleep(interval_s)
+
+    def _build(self, ends: dict[int, int] | None, at_ms: int) -> dict[int, PartitionLag]:
+        previous = self.snapshot
+        checkpoints = self._store.checkpoints()
+        snapshot: dict[int, PartitionLag] = {}
+        for partition in self._partitions():
+            checkpoint = checkpoints.get(partition)
+            current = checkpoint.next_offset if checkpoint else 0
+            before = previous.get(partition)
+            end: int | None
+            end_at: int | None
+            if ends is not None and partition in ends:
+                end, end_at = ends[partition], at_ms
+            else:
+                end = before.end_offset if before else None
+                end_at = before.end_offset_at_ms if before else None
+            caught_up_at = before.caught_up_at_ms if before else None
+            if end is not None and current >= end and end_at == at_ms:
+                caught_up_at = at_ms
+            snapshot[partition] = PartitionLag(
+                partition=partition,
+                current_offset=current,
+                end_offset=end,
+                newest_record_ms=checkpoint.newest_record_ms if checkpoint else None,
+                caught_up_at_ms=caught_up_at,
+                end_offset_at_ms=end_at,
+            )
+        return snapshot

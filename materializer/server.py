@@ -1,0 +1,273 @@
+"""The node's HTTP API (ASGI, served by uvicorn on uvloop + httptools).
+
+    GET /stores/{store}/keys/{key}   200 value + where it came from, 404 absent key or store,
+                                     400 malformed key, 421 a partition this node does not host
+    GET /metadata                    hosted partitions: offsets, end offsets, lag, newest record
+    GET /health/live                 the process answers
+    GET /health/ready                200 once every hosted partition has caught up once, else 503
+
+Lookups read RocksDB directly on the event loop (~1 µs); they never wait for a micro-batch,
+only, at worst, for one partition's write of one batch (bounded by max_records_per_partition).
+Keys are taken from the raw path, so a key may contain an encoded slash (%2F).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import unquote
+
+from materializer.lag import LagTracker, now_ms
+from materializer.sink import IngestStats
+from materializer.store import Store
+from partitioner import KeyFormatError, KeyPartitioner, serialize_key
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+_JSON = (b"content-type", b"application/json")
+
+
+@dataclass
+class NodeState:
+    """What the handlers read; the node fills in the parts known only after start-up."""
+
+    node_id: str
+    store_name: str
+    topic: str
+    key_format: str
+    value_format: str
+    role: str
+    store: Store
+    lag: LagTracker
+    stats: IngestStats
+    partitioner: KeyPartitioner | None = None  # None until the topic's partition count is known
+    hosted: tuple[int, ...] = ()
+    pipeline_status: Callable[[], dict[str, Any]] = dict
+
+
+class NodeApp:
+    def __init__(self, state: NodeState) -> None:
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        if scope["method"] not in ("GET", "HEAD"):
+            await _respond(
+                send, 405, {"error": "method_not_allowed", "allowed": ["GET"]}, [(b"allow", b"GET")]
+            )
+            return
+        path = scope.get("raw_path") or scope["path"].encode()
+        segments = path.split(b"?", 1)[0].split(b"/")
+        if len(segments) == 5 and segments[1] == b"stores" and segments[3] == b"keys":
+            store, key = _path_text(segments[2]), _path_text(segments[4])
+            if store is None or key is None:
+                await _respond(
+                    send,
+                    400,
+                    {
+                        "error": "invalid_path",
+                        "detail": "percent-encoded bytes are not valid UTF-8",
+                    },
+                )
+                return
+            await self._lookup(send, store, key)
+        elif path == b"/metadata":
+            await _respond(send, 200, self._metadata())
+        elif path == b"/health/live":
+            await _respond(send, 200, {"status": "live", "node": self.state.node_id})
+        elif path == b"/health/ready":
+            await self._ready(send)
+        else:
+            await _respond(
+                send,
+                404,
+                {"error": "not_found", "detail": "no such endpoint", "path": scope["path"]},
+            )
+
+    async def _lookup(self, send: Send, store: str, key_text: str) -> None:
+        state = self.state
+        if store != state.store_name:
+            await _respond(
+                send, 404, {"error": "unknown_store", "store": store, "stores": [state.store_name]}
+            )
+            return
+        if state.partitioner is None:
+            await _respond(
+                send,
+                503,
+                {
+                    "error": "starting",
+                    "detail": "the topic's partition count is not known yet (broker unreachable?)",
+                },
+            )
+            return
+        try:
+            key = serialize_key(key_text, state.key_format)
+            partition = state.partitioner.partition_of(key_text)
+        except KeyFormatError as exc:
+            await _respond(
+                send,
+                400,
+                {
+                    "error": "invalid_key",
+                    "key_format": exc.key_format,
+                    "key": key_text,
+                    "detail": exc.reason,
+                },
+            )
+            return
+        if partition not in state.hosted:
+            await _respond(
+                send,
+                421,
+                {
+                    "error": "misdirected",
+                    "detail": f"partition {partition} is not hosted by node {state.node_id}",
+                    "partition": partition,
+                    "hosted": list(state.hosted),
+                },
+            )
+            return
+        found = state.store.get(partition, key)
+        lag = state.lag.snapshot.get(partition)
+        provenance = _provenance(state, partition, lag)
+        headers = _provenance_headers(provenance)
+        if found is None:
+            await _respond(
+                send,
+                404,
+                {"error": "key_not_found", "store": store, "key": key_text, **provenance},
+                headers,
+            )
+            return
+        body = {
+            "store": store,
+            "key": key_text,
+            **provenance,
+            "offset": found.offset,
+            "timestamp_ms": found.timestamp_ms,
+        }
+        await _respond_raw(send, 200, _with_value(body, found.value, state.value_format), headers)
+
+    def _metadata(self) -> dict[str, Any]:
+        state = self.state
+        at = now_ms()
+        with state.stats.lock:
+            problems = dict(state.stats.problems_by_partition)
+            ingest = {
+                "batches": state.stats.batches,
+                "records": state.stats.records,
+                "changes_written": state.stats.changes_written,
+            }
+        partitions = []
+        for partition in state.hosted:
+            lag = state.lag.snapshot.get(partition)
+            entry: dict[str, Any] = lag.as_json(at) if lag else {"partition": partition}
+            entry.update({"role": state.role, "skipped_records": problems.get(partition, 0)})
+            partitions.append(entry)
+        return {
+            "node": state.node_id,
+            "store": state.store_name,
+            "topic": state.topic,
+            "num_partitions": state.partitioner.num_partitions if state.partitioner else None,
+            "partitions": partitions,
+            "catching_up": [p["partition"] for p in partitions if not p.get("caught_up")],
+            "broker_error": state.lag.broker_error,
+            "ingest": ingest,
+            "pipeline": state.pipeline_status(),
+        }
+
+    async def _ready(self, send: Send) -> None:
+        state = self.state
+        pipeline = state.pipeline_status()
+        never_caught_up = [
+            p
+            for p in state.hosted
+            if (lag := state.lag.snapshot.get(p)) is None or lag.caught_up_at_ms is None
+        ]
+        if state.partitioner is None or not pipeline.get("running") or never_caught_up:
+            await _respond(
+                send,
+                503,
+                {
+                    "status": "not_ready",
+                    "partitioner_known": state.partitioner is not None,
+                    "pipeline_running": bool(pipeline.get("running")),
+                    "catching_up": never_caught_up,
+                },
+            )
+            return
+        await _respond(send, 200, {"status": "ready", "node": state.node_id})
+
+
+def _path_text(segment: bytes) -> str | None:
+    """A percent-decoded path segment, or None when its bytes are not UTF-8 (never guessed)."""
+    try:
+        return unquote(segment.decode("ascii"), errors="strict")
+    except UnicodeError:
+        return None
+
+
+def _provenance(state: NodeState, partition: int, lag: Any) -> dict[str, Any]:
+    at = now_ms()
+    return {
+        "partition": partition,
+        "node": state.node_id,
+        "role": state.role,
+        "position": lag.current_offset if lag else None,
+        "lag": lag.lag if lag else None,
+        "time_lag_ms": lag.time_lag_ms(at) if lag else None,
+    }
+
+
+def _provenance_headers(provenance: dict[str, Any]) -> list[tuple[bytes, bytes]]:
+    return [
+        (b"x-kroute-node", str(provenance["node"]).encode()),
+        (b"x-kroute-partition", str(provenance["partition"]).encode()),
+        (b"x-kroute-role", str(provenance["role"]).encode()),
+        (
+            b"x-kroute-lag",
+            b"unknown" if provenance["lag"] is None else str(provenance["lag"]).encode(),
+        ),
+    ]
+
+
+def _with_value(body: dict[str, Any], value: bytes, value_format: str) -> bytes:
+    """The body with the value embedded: JSON as it is (validated at ingest), else as text."""
+    if value_format == "json":
+        head = json.dumps(body, separators=(",", ":")).encode()
+        return head[:-1] + b',"value":' + value + b"}"
+    if value_format == "string":
+        body["value"] = value.decode("utf-8")
+    else:
+        body["value"] = base64.b64encode(value).decode("ascii")
+        body["value_encoding"] = "base64"
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+async def _respond(
+    send: Send,
+    status: int,
+    payload: dict[str, Any],
+    headers: list[tuple[bytes, bytes]] | None = None,
+) -> None:
+    await _respond_raw(send, status, json.dumps(payload, separators=(",", ":")).encode(), headers)
+
+
+async def _respond_raw(
+    send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None
+) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [_JSON, (b"content-length", str(len(body)).encode()), *(headers or [])],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})

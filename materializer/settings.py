@@ -1,0 +1,149 @@
+"""A materializer node's settings, read once from KROUTE_* environment variables."""
+
+from __future__ import annotations
+
+import re
+import socket
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from common.settings import EnvSettings
+from partitioner import ALGORITHMS, KEY_FORMATS
+
+_PARTITION_LIST = re.compile(r"^(all|\d+(-\d+)?(,\d+(-\d+)?)*)$")
+
+
+class NodeSettings(EnvSettings):
+    node_id: str = Field(
+        default_factory=socket.gethostname,
+        description="This node's id in the cluster (default: the host name).",
+    )
+    host: str = Field(default="127.0.0.1", description="Address the node's HTTP server binds to.")
+    port: int = Field(
+        default=8081,
+        ge=0,
+        le=65535,
+        description="Port of the node's HTTP server (0: any free port).",
+    )
+    advertised_url: str | None = Field(
+        default=None,
+        description="URL other nodes and proxies use to reach this node (default: http://host:port).",
+    )
+    bootstrap_servers: str = Field(description="Kafka bootstrap servers, host:port[,host:port].")
+    topic: str = Field(description="The Kafka topic this node materializes.")
+    store: str = Field(
+        default="", description="Store name in lookup URLs (default: the topic name)."
+    )
+    partitions: str = Field(
+        default="all", description="Partitions this node hosts: all, or a list such as 0-5,7."
+    )
+    key_format: str = Field(
+        default="string", description=f"How lookup keys are serialized: {', '.join(KEY_FORMATS)}."
+    )
+    partitioner: str = Field(
+        default="murmur2", description=f"The producers' partitioner: {', '.join(ALGORITHMS)}."
+    )
+    value_format: Literal["json", "string", "bytes"] = Field(
+        default="json", description="How record values are decoded: json, string or bytes."
+    )
+    data_dir: Path = Field(
+        default=Path("data"),
+        description="Where the node keeps its store (RocksDB) and Spark scratch files.",
+    )
+    spark_master: str = Field(
+        default="local[*]",
+        description="Spark master URL: local[*], or a cluster such as spark://host:7077.",
+    )
+    source: Literal["python", "spark-kafka"] = Field(
+        default="python",
+        description="Kafka source: kroute's Python data source, or Spark's own "
+        "(needs spark-sql-kafka-0-10).",
+    )
+    max_records_per_partition: int = Field(
+        default=20_000,
+        ge=1,
+        le=10_000_000,
+        description="Most records read per partition in one micro-batch "
+        "(bounds batch time and write pauses).",
+    )
+    tasks_per_batch: int = Field(
+        default=1,
+        ge=1,
+        le=1024,
+        description="Spark tasks per micro-batch (each Python task costs ~65 ms of overhead here).",
+    )
+    fetch_max_wait_ms: int = Field(
+        default=20,
+        ge=1,
+        le=5_000,
+        description="Kafka fetch max wait; keep small (Tansu does not wake waiting fetches).",
+    )
+    transform: str | None = Field(
+        default=None,
+        description="Custom Spark transform, module:function (default: latest value per key).",
+    )
+    merge: str | None = Field(
+        default=None,
+        description="Merge of a transform's rows with stored values, module:function "
+        "(default: replace).",
+    )
+    role: Literal["active", "standby"] = Field(
+        default="active",
+        description="Role reported for this node's partitions until cluster assignment takes over.",
+    )
+    lag_interval_ms: int = Field(
+        default=250, ge=10, le=60_000, description="How often end offsets and lag are refreshed."
+    )
+    start_retry_max_s: float = Field(
+        default=30.0,
+        gt=0,
+        le=3600,
+        description="Longest wait between attempts to reach the broker or restart Spark.",
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        default="info", description="Log level of the node's JSON logs."
+    )
+
+    @field_validator("partitions")
+    @classmethod
+    def _partition_list(cls, value: str) -> str:
+        value = value.replace(" ", "")
+        if not _PARTITION_LIST.match(value):
+            raise ValueError("expected 'all' or a list such as 0-5,7")
+        return value
+
+    @field_validator("key_format")
+    @classmethod
+    def _known_key_format(cls, value: str) -> str:
+        if value not in KEY_FORMATS:
+            raise ValueError(f"expected one of {', '.join(KEY_FORMATS)}")
+        return value
+
+    @field_validator("partitioner")
+    @classmethod
+    def _known_partitioner(cls, value: str) -> str:
+        if value not in ALGORITHMS:
+            raise ValueError(f"expected one of {', '.join(ALGORITHMS)}")
+        return value
+
+    @property
+    def store_name(self) -> str:
+        return self.store or self.topic
+
+    def hosted_partitions(self, num_partitions: int) -> tuple[int, ...]:
+        """The partitions this node hosts, checked against the topic's partition count."""
+        if self.partitions == "all":
+            return tuple(range(num_partitions))
+        chosen: set[int] = set()
+        for item in self.partitions.split(","):
+            low, _, high = item.partition("-")
+            chosen.update(range(int(low), int(high or low) + 1))
+        beyond = sorted(p for p in chosen if p >= num_partitions)
+        if beyond:
+            raise ValueError(
+                f"KROUTE_PARTITIONS={self.partitions!r} names partitions {beyond} but the topic "
+                f"has {num_partitions} (0-{num_partitions - 1})"
+            )
+        return tuple(sorted(chosen))

@@ -1,0 +1,124 @@
+"""The micro-batch sink (Spark's foreachBatch): transform, collect, write to the store.
+
+Per partition, a batch's changes and the partition's new checkpoint (one past the batch's last
+offset, bad records included) go to the store in one atomic write. Records that cannot be
+materialized are counted and logged with partition and offset, never retried forever.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import structlog
+from pyspark.sql import DataFrame
+from pyspark.sql import functions as F  # noqa: N812 - Spark's own convention
+
+from materializer.store import Row, Store
+from materializer.transform import CHANGE_COLUMNS, Transform, as_changes, with_problems
+
+log = structlog.get_logger("kroute.materializer.sink")
+
+_LOGGED_PROBLEMS_PER_BATCH = 20  # a flood of bad records is counted in full, logged in part
+
+
+@dataclass
+class IngestStats:
+    """Counters the node reports; updated by the sink thread, read by the HTTP thread."""
+
+    batches: int = 0
+    records: int = 0
+    changes_written: int = 0
+    problems_by_partition: dict[int, int] = field(default_factory=dict)
+    last_batch_ms: float = 0.0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def problems(self) -> int:
+        return sum(self.problems_by_partition.values())
+
+
+class BatchSink:
+    def __init__(
+        self, store: Store, transform: Transform, value_format: str, stats: IngestStats
+    ) -> None:
+        self._store = store
+        self._transform = transform
+        self._value_format = value_format
+        self._stats = stats
+
+    def __call__(self, batch: DataFrame, batch_id: int) -> None:
+        checked = with_problems(batch, self._value_format)
+        if self._transform.is_ktable:
+            records = checked.select(*CHANGE_COLUMNS, "problem").toArrow()
+            changes = records.filter(pc.is_null(records["problem"]))
+        else:
+            checked = checked.persist()  # read Kafka once for both collects below
+            try:
+                records = checked.select("partition", "offset", "timestamp_ms", "problem").toArrow()
+                valid = checked.where(F.col("problem").isNull()).drop("problem", "timestamp_ms")
+                assert self._transform.function is not None
+                changes = as_changes(self._transform.function(valid)).toArrow()
+            finally:
+                checked.unpersist()
+        self._apply(batch_id, records, changes)
+
+    def _apply(self, batch_id: int, records: pa.Table, changes: pa.Table) -> None:
+        written = 0
+        for partition, part_records in _by_partition(records):
+            next_offset = int(pc.max(part_records["offset"]).as_py()) + 1
+            newest = pc.max(part_records["timestamp_ms"]).as_py()
+            self._report_problems(batch_id, partition, part_records)
+            part_changes = changes.filter(pc.equal(changes["partition"], partition)).sort_by(
+                "offset"
+            )
+            result = self._store.apply(
+                partition, _rows(part_changes), next_offset, newest, self._transform.merge
+            )
+            written += result.written
+        with self._stats.lock:
+            self._stats.batches += 1
+            self._stats.records += records.num_rows
+            self._stats.changes_written += written
+
+    def _report_problems(self, batch_id: int, partition: int, records: pa.Table) -> None:
+        bad = records.filter(pc.invert(pc.is_null(records["problem"])))
+        if bad.num_rows == 0:
+            return
+        with self._stats.lock:
+            counts = self._stats.problems_by_partition
+            counts[partition] = counts.get(partition, 0) + bad.num_rows
+        shown = bad.slice(0, _LOGGED_PROBLEMS_PER_BATCH).select(["offset", "problem"]).to_pylist()
+        for entry in shown:
+            log.warning(
+                "record skipped",
+                partition=partition,
+                offset=entry["offset"],
+                problem=entry["problem"],
+                batch=batch_id,
+            )
+        if bad.num_rows > len(shown):
+            log.warning(
+                "more records skipped",
+                partition=partition,
+                count=bad.num_rows - len(shown),
+                batch=batch_id,
+            )
+
+
+def _by_partition(records: pa.Table) -> Iterator[tuple[int, pa.Table]]:
+    for partition in pc.unique(records["partition"]).to_pylist():
+        yield int(partition), records.filter(pc.equal(records["partition"], partition))
+
+
+def _rows(changes: pa.Table) -> Iterator[Row]:
+    columns: dict[str, list[Any]] = changes.select(
+        ["key", "value", "offset", "timestamp_ms"]
+    ).to_pydict()
+    for key, value, offset, timestamp in zip(
+        columns["key"], columns["value"], columns["offset"], columns["timestamp_ms"], strict=True
+    ):
+        yield Row(key, value, offset, timestamp)
