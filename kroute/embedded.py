@@ -149,8 +149,10 @@ class EmbeddedServices:
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
-    def start_broker(self, storage_engine: str = "memory://tansu/") -> BrokerHandle:
-        """Tansu on a free loopback port. memory:// loses data on restart (see DESIGN.md)."""
+    def start_broker(
+        self, storage_engine: str = "memory://tansu/", port: int | None = None
+    ) -> BrokerHandle:
+        """Tansu on loopback (a free port unless given). memory:// loses data on restart."""
         binary = tansu_binary()
 
         def command(port: int) -> list[str]:
@@ -162,7 +164,7 @@ class EmbeddedServices:
                 "--storage-engine", storage_engine,
             ]  # fmt: skip
 
-        process, port = self._start_on_free_port("tansu", command, _kafka_ready)
+        process, port = self._start_on_free_port("tansu", command, _kafka_ready, port)
         return BrokerHandle(bootstrap_servers=f"{LOOPBACK}:{port}", port=port, process=process)
 
     def start_redis(self) -> RedisHandle:
@@ -182,6 +184,28 @@ class EmbeddedServices:
         process, port = self._start_on_free_port("redis-server", command, _redis_ready)
         return RedisHandle(host=LOOPBACK, port=port, process=process)
 
+    def start_process(
+        self,
+        name: str,
+        command: list[str],
+        env: dict[str, str] | None = None,
+        ready: Callable[[], bool] | None = None,
+        timeout_s: float | None = None,
+    ) -> ManagedProcess:
+        """Start any kroute process (a node, the proxy) under the same PID and exit rules.
+
+        With `ready`, wait until it returns True (the process must keep running meanwhile).
+        """
+        process = self._spawn(name, command, env)
+        if ready is not None:
+            try:
+                self._await_ready(process, 0, lambda _port: ready(), timeout_s)
+            except ServiceStartError:
+                process.stop()
+                self.processes.remove(process)
+                raise
+        return process
+
     def stop(self) -> None:
         """Stop every process this launcher started, newest first, by PID."""
         while self.processes:
@@ -192,10 +216,11 @@ class EmbeddedServices:
         name: str,
         command: CommandForPort,
         ready: ReadinessCheck,
+        fixed_port: int | None = None,
     ) -> tuple[ManagedProcess, int]:
         last_error: ServiceStartError | None = None
-        for _ in range(_PORT_ATTEMPTS):
-            port = free_port()
+        for _ in range(1 if fixed_port else _PORT_ATTEMPTS):
+            port = fixed_port or free_port()
             process = self._spawn(name, command(port))
             try:
                 self._await_ready(process, port, ready)
@@ -208,7 +233,9 @@ class EmbeddedServices:
         assert last_error is not None
         raise last_error
 
-    def _spawn(self, name: str, command: list[str]) -> ManagedProcess:
+    def _spawn(
+        self, name: str, command: list[str], env: dict[str, str] | None = None
+    ) -> ManagedProcess:
         log_path = self.workdir / f"{name}.log"
         with log_path.open("ab") as log:
             popen = subprocess.Popen(
@@ -217,28 +244,35 @@ class EmbeddedServices:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 cwd=self.workdir,
+                env=env,
                 start_new_session=True,  # Ctrl-C reaches us, and we stop it in order
             )
         process = ManagedProcess(name=name, popen=popen, log_path=log_path)
         self.processes.append(process)
         return process
 
-    def _await_ready(self, process: ManagedProcess, port: int, ready: ReadinessCheck) -> None:
-        deadline = time.monotonic() + self.startup_timeout_s
+    def _await_ready(
+        self,
+        process: ManagedProcess,
+        port: int,
+        ready: ReadinessCheck,
+        timeout_s: float | None = None,
+    ) -> None:
+        timeout_s = timeout_s or self.startup_timeout_s
+        deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if not process.is_running():
                 raise ServiceStartError(
                     process.name,
-                    f"exited with code {process.popen.returncode} before answering on port "
-                    f"{port}; its log ({process.log_path}) ends with:\n{process.log_tail()}",
+                    f"exited with code {process.popen.returncode} before it was ready; "
+                    f"its log ({process.log_path}) ends with:\n{process.log_tail()}",
                 )
             if ready(port):
                 return
             time.sleep(0.05)
         raise ServiceStartError(
             process.name,
-            f"did not answer on {LOOPBACK}:{port} within {self.startup_timeout_s:.0f}s; "
-            f"log: {process.log_path}",
+            f"did not get ready within {timeout_s:.0f}s; log: {process.log_path}",
         )
 
 

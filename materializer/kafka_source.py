@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,20 +58,22 @@ class SourceOptions:
     tasks_per_batch: int = 1
 
     @classmethod
-    def parse(cls, options: dict[str, str]) -> SourceOptions:
+    def parse(cls, spark_options: Mapping[str, str]) -> SourceOptions:
+        # Spark hands data sources a case-insensitive map whose keys come back lowercased.
+        options = {key.lower(): value for key, value in spark_options.items()}
         partitions = tuple(sorted({int(p) for p in options["partitions"].split(",") if p.strip()}))
         starting = {
-            int(p): int(o) for p, o in json.loads(options.get("startingOffsets", "{}")).items()
+            int(p): int(o) for p, o in json.loads(options.get("startingoffsets", "{}")).items()
         }
         return cls(
             bootstrap_servers=options["bootstrap.servers"],
             topic=options["topic"],
             partitions=partitions,
             starting_offsets={p: starting.get(p, 0) for p in partitions},
-            max_records_per_partition=int(options.get("maxRecordsPerPartition", "20000")),
-            fetch_max_wait_ms=int(options.get("fetchMaxWaitMs", "20")),
-            read_timeout_s=float(options.get("readTimeoutSeconds", "30")),
-            tasks_per_batch=int(options.get("tasksPerBatch", "1")),
+            max_records_per_partition=int(options.get("maxrecordsperpartition", "20000")),
+            fetch_max_wait_ms=int(options.get("fetchmaxwaitms", "20")),
+            read_timeout_s=float(options.get("readtimeoutseconds", "30")),
+            tasks_per_batch=int(options.get("tasksperbatch", "1")),
         )
 
     def as_spark_options(self) -> dict[str, str]:
@@ -118,33 +120,36 @@ class KafkaDataSource(DataSource):
         return SCHEMA
 
     def streamReader(self, schema: Any) -> KafkaStreamReader:  # noqa: N802 - Spark's name
-        return KafkaStreamReader(SourceOptions.parse(dict(self.options)))
+        return KafkaStreamReader(SourceOptions.parse(self.options))
 
 
 class KafkaStreamReader(DataSourceStreamReader):
     def __init__(self, options: SourceOptions) -> None:
         self.options = options
-        self._planned_end = dict(options.starting_offsets)
+        # Where the next micro-batch starts: it moves only when Spark plans a batch. Spark may
+        # call latestOffset() several times per batch, so the cap must not move with each call.
+        self._next_start = dict(options.starting_offsets)
 
     def __getstate__(self) -> dict[str, Any]:
         # Pickled to the workers for read(); only the options travel.
-        return {"options": self.options, "_planned_end": {}}
+        return {"options": self.options, "_next_start": {}}
 
     def initialOffset(self) -> dict[str, int]:  # noqa: N802 - Spark's name
         return {str(p): o for p, o in self.options.starting_offsets.items()}
 
     def latestOffset(self) -> dict[str, int]:  # noqa: N802 - Spark's name
         high_watermarks = _probe(self.options.bootstrap_servers).high_watermarks(
-            self.options.topic, self.options.partitions, self._planned_end
+            self.options.topic, self.options.partitions, self._next_start
         )
         cap = self.options.max_records_per_partition
-        self._planned_end = {
-            p: max(self._planned_end[p], min(high_watermarks[p], self._planned_end[p] + cap))
-            for p in self.options.partitions
+        return {
+            str(p): max(start, min(high_watermarks[p], start + cap))
+            for p, start in self._next_start.items()
         }
-        return {str(p): o for p, o in self._planned_end.items()}
 
     def partitions(self, start: dict[str, int], end: dict[str, int]) -> list[KafkaRanges]:
+        self._next_start.update({int(p): int(o) for p, o in end.items()})
+
         ranges = [
             KafkaRange(int(p), int(start.get(p, end[p])), int(end[p]))
             for p in sorted(end, key=int)

@@ -49,7 +49,8 @@ def create_spark_session(settings: NodeSettings, java_home: Path) -> SparkSessio
         .config("spark.sql.shuffle.partitions", "2")
     )
     if settings.spark_master.startswith("local"):
-        # In local mode nothing outside this machine talks to the driver.
+        # In local mode nothing outside this machine talks to the driver: loopback only.
+        os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
         builder = builder.config("spark.driver.bindAddress", "127.0.0.1").config(
             "spark.driver.host", "127.0.0.1"
         )

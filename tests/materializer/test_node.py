@@ -1,0 +1,147 @@
+"""A real materializer node (its own process, real Spark) against the real broker."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+import time
+
+import pytest
+
+from kroute.embedded import free_port
+from materializer.kafka_offsets import end_offsets
+from materializer.store import Store
+from tests.kafka_helpers import create_topics
+from tests.materializer.node_helpers import (
+    assert_serves_truth,
+    ground_truth,
+    produce_customers,
+    start_node,
+)
+
+pytestmark = pytest.mark.integration
+
+PARTITIONS = 6
+
+
+def ends_of(bootstrap: str, topic: str) -> dict[int, int]:
+    return asyncio.run(end_offsets(bootstrap, topic, range(PARTITIONS)))
+
+
+def customer_keys(count: int) -> list[str]:
+    return [f"customer-{i}" for i in range(count)] + ["never-produced"]
+
+
+def test_store_equals_ground_truth_with_updates_deletes_and_bad_records(embedded, broker, tmp_path):
+    bootstrap, topic = broker.bootstrap_servers, "truth"
+    create_topics(bootstrap, {topic: PARTITIONS})
+    produce_customers(bootstrap, topic, 3000, keys=300, seed=1, malformed=12)
+    node = start_node(embedded, bootstrap, topic, tmp_path / "data")
+    try:
+        metadata = node.wait_caught_up(ends_of(bootstrap, topic))
+        truth, bad = ground_truth(bootstrap, topic, PARTITIONS)
+        assert bad == 12
+        assert_serves_truth(node, truth, customer_keys(300))
+        assert sum(p["skipped_records"] for p in metadata["partitions"]) == bad
+
+        # Records produced while the node runs reach it too.
+        produce_customers(bootstrap, topic, 1000, keys=300, seed=2, malformed=0)
+        node.wait_caught_up(ends_of(bootstrap, topic))
+        truth, _ = ground_truth(bootstrap, topic, PARTITIONS)
+        assert_serves_truth(node, truth, customer_keys(300))
+    finally:
+        node.process.stop()
+        node.close()
+
+
+def test_kill_9_mid_consumption_then_restart_rereads_at_most_one_batch(embedded, broker, tmp_path):
+    bootstrap, topic, batch = broker.bootstrap_servers, "crash", 300
+    create_topics(bootstrap, {topic: PARTITIONS})
+    produce_customers(bootstrap, topic, 36_000, keys=3000, seed=3, deletes=0.05)
+    ends = ends_of(bootstrap, topic)
+    total = sum(ends.values())
+    data_dir = tmp_path / "data"
+    small_batches = {"KROUTE_MAX_RECORDS_PER_PARTITION": str(batch)}
+
+    first = start_node(
+        embedded, bootstrap, topic, data_dir, extra_env=small_batches, wait_ready=False
+    )
+    seen_applied: dict[int, int] = {}
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        partitions = first.metadata()["partitions"]
+        seen_applied = {p["partition"]: p.get("current_offset") or 0 for p in partitions}
+        if sum(seen_applied.values()) > total // 4:
+            break
+        time.sleep(0.1)
+    first.process.signal(signal.SIGKILL)
+    first.process.popen.wait(timeout=30)
+    first.close()
+
+    store = Store(data_dir / "stores" / "customers")
+    checkpoints = {p: cp.next_offset if cp else 0 for p, cp in store.checkpoints().items()}
+    store.close()
+    assert total // 4 < sum(checkpoints.values()) < total, "killed in the middle of consumption"
+    assert all(checkpoints[p] >= seen_applied.get(p, 0) for p in checkpoints), "progress was lost"
+
+    second = start_node(
+        embedded, bootstrap, topic, data_dir, extra_env=small_batches, wait_ready=False
+    )
+    try:
+        metadata = second.wait_caught_up(ends)
+        # The restarted node starts at the store's checkpoints and reads only what was not
+        # applied: no restore from offset 0. The first node could have read at most one batch
+        # (max_records_per_partition) past those checkpoints, so that is all that was re-read.
+        log_text = second.process.log_path.read_text()
+        started = json.loads(re.findall(r'"starting_offsets": (\{[^}]*\})', log_text)[-1])
+        assert {int(p): o for p, o in started.items()} == checkpoints
+        assert metadata["ingest"]["records"] == total - sum(checkpoints.values())
+        truth, _ = ground_truth(bootstrap, topic, PARTITIONS)
+        assert_serves_truth(second, truth, [f"customer-{i}" for i in range(0, 3000, 7)])
+    finally:
+        second.process.stop()  # a clean stop this time
+        second.close()
+
+    produce_customers(bootstrap, topic, 120, keys=3000, seed=4, deletes=0)
+    third = start_node(embedded, bootstrap, topic, data_dir, wait_ready=False)
+    try:
+        metadata = third.wait_caught_up(ends_of(bootstrap, topic))
+        assert metadata["ingest"]["records"] == 120  # after a clean stop: only the new records
+    finally:
+        third.process.stop()
+        third.close()
+
+
+def test_broker_down_at_start_waits_retries_and_recovers(embedded, tmp_path):
+    port = free_port()
+    bootstrap, topic = f"127.0.0.1:{port}", "late"
+    node = start_node(embedded, bootstrap, topic, tmp_path / "data", wait_ready=False)
+    try:
+        time.sleep(4)
+        assert node.process.is_running(), "a missing broker must not stop the node"
+        assert node.get("/health/live").status_code == 200
+        assert node.get("/health/ready").status_code == 503
+        lookup = node.get("/stores/customers/keys/customer-1")
+        assert lookup.status_code == 503
+        assert "broker unreachable" in lookup.json()["detail"]
+        waits = [
+            json.loads(line)
+            for line in node.process.log_path.read_text().splitlines()
+            if "waiting for Kafka" in line
+        ]
+        assert len(waits) >= 2
+        assert "not reachable" in waits[0]["problem"]
+        assert waits[1]["retry_in_s"] > waits[0]["retry_in_s"], "retries back off"
+
+        broker = embedded.start_broker(port=port)
+        create_topics(bootstrap, {topic: PARTITIONS})
+        produce_customers(bootstrap, topic, 500, keys=50, seed=5)
+        node.wait_caught_up(ends_of(bootstrap, topic), timeout_s=180)
+        truth, _ = ground_truth(bootstrap, topic, PARTITIONS)
+        assert_serves_truth(node, truth, customer_keys(50))
+    finally:
+        node.process.stop()
+        node.close()
+    broker.process.stop()
