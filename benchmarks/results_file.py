@@ -40,7 +40,7 @@ def machine_notes() -> str:
 def git_revision() -> str:
     try:
         return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],  # noqa: S607 - git from PATH, read-only
+            ["git", "rev-parse", "--short", "HEAD"],
             capture_output=True, text=True, check=True, cwd=BENCHMARKS, timeout=10,
         ).stdout.strip()  # fmt: skip
     except (OSError, subprocess.SubprocessError):

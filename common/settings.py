@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any, Self
 
 from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic.fields import FieldInfo
 
 ENV_PREFIX = "KROUTE_"
 
@@ -43,9 +44,17 @@ class EnvSettings(BaseModel):
     def documentation(cls) -> list[tuple[str, str, str]]:
         """(variable, default, meaning) for every setting: the README's configuration table."""
         return [
-            (ENV_PREFIX + name.upper(), str(field.default), field.description or "")
+            (ENV_PREFIX + name.upper(), _default_text(field), field.description or "")
             for name, field in cls.model_fields.items()
         ]
+
+
+def _default_text(field: FieldInfo) -> str:
+    if field.is_required():
+        return "(required)"
+    if field.default_factory is not None:
+        return "(computed)"
+    return "(none)" if field.default is None else str(field.default)
 
 
 def _describe(error: Any, values: dict[str, Any]) -> str:

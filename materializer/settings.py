@@ -27,14 +27,10 @@ class NodeSettings(EnvSettings):
         le=65535,
         description="Port of the node's HTTP server (0: any free port).",
     )
-    advertised_url: str | None = Field(
-        default=None,
-        description="URL other nodes and proxies use to reach this node (default: http://host:port).",
-    )
     bootstrap_servers: str = Field(description="Kafka bootstrap servers, host:port[,host:port].")
     topic: str = Field(description="The Kafka topic this node materializes.")
-    store: str = Field(
-        default="", description="Store name in lookup URLs (default: the topic name)."
+    store: str | None = Field(
+        default=None, description="Store name in lookup URLs (default: the topic name)."
     )
     partitions: str = Field(
         default="all", description="Partitions this node hosts: all, or a list such as 0-5,7."

@@ -7,16 +7,9 @@ import time
 from dataclasses import dataclass
 
 from confluent_kafka import Consumer, TopicPartition
-from confluent_kafka.admin import AdminClient, NewTopic
 
+from kroute.topics import create_topics  # noqa: F401 - re-exported for the tests
 from materializer.kafka_offsets import end_offsets
-
-
-def create_topics(bootstrap_servers: str, partitions_by_topic: dict[str, int]) -> None:
-    admin = AdminClient({"bootstrap.servers": bootstrap_servers})
-    new_topics = [NewTopic(name, count, 1) for name, count in partitions_by_topic.items()]
-    for future in admin.create_topics(new_topics, operation_timeout=10).values():
-        future.result(timeout=15)
 
 
 @dataclass(frozen=True)

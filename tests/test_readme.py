@@ -5,17 +5,30 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
+from common.settings import EnvSettings
 from kroute.settings import RunSettings
+from materializer.settings import NodeSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 
 
-def test_configuration_table_lists_every_variable_with_its_default_and_meaning():
-    rows = dict(re.findall(r"^\| `(KROUTE_\w+)` \| (.*) \|$", README, flags=re.MULTILINE))
-    documented = {
-        name: (default, meaning) for name, default, meaning in RunSettings.documentation()
-    }
+def section(heading: str) -> str:
+    """The README text under a '### heading', up to the next heading."""
+    after = README.split(f"### {heading}\n", 1)[1]
+    return re.split(r"^#{2,3} ", after, maxsplit=1, flags=re.MULTILINE)[0]
+
+
+@pytest.mark.parametrize(
+    ("heading", "settings"), [("Run command", RunSettings), ("Materializer node", NodeSettings)]
+)
+def test_configuration_tables_list_every_variable_with_its_default_and_meaning(
+    heading: str, settings: type[EnvSettings]
+):
+    rows = dict(re.findall(r"^\| `(KROUTE_\w+)` \| (.*) \|$", section(heading), flags=re.MULTILINE))
+    documented = {name: (default, meaning) for name, default, meaning in settings.documentation()}
     assert set(rows) == set(documented)
     for name, (default, meaning) in documented.items():
         assert rows[name] == f"`{default}` | {meaning}"

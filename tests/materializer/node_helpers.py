@@ -1,99 +1,14 @@
-"""Run real materializer nodes (`python -m materializer`) and produce data with known truth."""
+"""Produce data with a known truth, and check what a node serves against it."""
 
 from __future__ import annotations
 
 import json
-import os
 import random
-import sys
-import time
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
-import httpx
 from confluent_kafka import Producer
 
-from kroute.embedded import EmbeddedServices, ManagedProcess, free_port
+from kroute.nodes import NodeHandle
 from tests.kafka_helpers import read_topic
-
-
-@dataclass
-class NodeProcess:
-    process: ManagedProcess
-    url: str
-    client: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=10, trust_env=False))
-
-    def get(self, path: str) -> httpx.Response:
-        return self.client.get(self.url + path)
-
-    def metadata(self) -> dict[str, Any]:
-        return self.get("/metadata").json()
-
-    def wait_caught_up(self, ends: dict[int, int], timeout_s: float = 120) -> dict[str, Any]:
-        """Until every hosted partition's current offset equals the given end offset."""
-        deadline = time.monotonic() + timeout_s
-        metadata: dict[str, Any] = {}
-        while time.monotonic() < deadline:
-            assert self.process.is_running(), f"node exited:\n{self.process.log_tail(40)}"
-            try:
-                metadata = self.metadata()
-            except httpx.HTTPError:
-                time.sleep(0.2)
-                continue
-            current = {p["partition"]: p.get("current_offset") for p in metadata["partitions"]}
-            if current and all(current.get(p) == end for p, end in ends.items()):
-                return metadata
-            time.sleep(0.2)
-        raise AssertionError(
-            f"not caught up within {timeout_s}s: {metadata}\n{self.process.log_tail(40)}"
-        )
-
-    def close(self) -> None:
-        self.client.close()
-
-
-def start_node(
-    services: EmbeddedServices,
-    bootstrap: str,
-    topic: str,
-    data_dir: Path,
-    *,
-    name: str = "node-a",
-    extra_env: dict[str, str] | None = None,
-    wait_ready: bool = True,
-) -> NodeProcess:
-    port = free_port()
-    env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith("KROUTE_")},
-        "KROUTE_NODE_ID": name,
-        "KROUTE_BOOTSTRAP_SERVERS": bootstrap,
-        "KROUTE_TOPIC": topic,
-        "KROUTE_STORE": "customers",
-        "KROUTE_PORT": str(port),
-        "KROUTE_DATA_DIR": str(data_dir),
-        "KROUTE_SPARK_MASTER": "local[2]",
-        **(extra_env or {}),
-    }
-    url = f"http://127.0.0.1:{port}"
-
-    def live() -> bool:
-        try:
-            return httpx.get(url + "/health/live", timeout=1, trust_env=False).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    process = services.start_process(
-        name, [sys.executable, "-m", "materializer"], env=env, ready=live, timeout_s=60
-    )
-    node = NodeProcess(process, url)
-    if wait_ready:
-        deadline = time.monotonic() + 120
-        while node.get("/health/ready").status_code != 200:
-            assert process.is_running(), process.log_tail(40)
-            assert time.monotonic() < deadline, f"not ready: {node.get('/health/ready').text}"
-            time.sleep(0.3)
-    return node
 
 
 def produce_customers(
@@ -149,7 +64,7 @@ def ground_truth(bootstrap: str, topic: str, num_partitions: int) -> tuple[dict[
     return truth, bad
 
 
-def assert_serves_truth(node: NodeProcess, truth: dict[bytes, bytes], all_keys: list[str]) -> None:
+def assert_serves_truth(node: NodeHandle, truth: dict[bytes, bytes], all_keys: list[str]) -> None:
     wrong = []
     for key in all_keys:
         response = node.get(f"/stores/customers/keys/{key}")

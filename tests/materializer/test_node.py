@@ -11,19 +11,16 @@ import time
 import pytest
 
 from kroute.embedded import free_port
+from kroute.nodes import start_node
 from materializer.kafka_offsets import end_offsets
 from materializer.store import Store
 from tests.kafka_helpers import create_topics
-from tests.materializer.node_helpers import (
-    assert_serves_truth,
-    ground_truth,
-    produce_customers,
-    start_node,
-)
+from tests.materializer.node_helpers import assert_serves_truth, ground_truth, produce_customers
 
 pytestmark = pytest.mark.integration
 
 PARTITIONS = 6
+NODE = {"store": "customers", "spark_master": "local[2]"}
 
 
 def ends_of(bootstrap: str, topic: str) -> dict[int, int]:
@@ -38,7 +35,7 @@ def test_store_equals_ground_truth_with_updates_deletes_and_bad_records(embedded
     bootstrap, topic = broker.bootstrap_servers, "truth"
     create_topics(bootstrap, {topic: PARTITIONS})
     produce_customers(bootstrap, topic, 3000, keys=300, seed=1, malformed=12)
-    node = start_node(embedded, bootstrap, topic, tmp_path / "data")
+    node = start_node(embedded, bootstrap, topic, tmp_path / "data", **NODE)
     try:
         metadata = node.wait_caught_up(ends_of(bootstrap, topic))
         truth, bad = ground_truth(bootstrap, topic, PARTITIONS)
@@ -63,11 +60,9 @@ def test_kill_9_mid_consumption_then_restart_rereads_at_most_one_batch(embedded,
     ends = ends_of(bootstrap, topic)
     total = sum(ends.values())
     data_dir = tmp_path / "data"
-    small_batches = {"KROUTE_MAX_RECORDS_PER_PARTITION": str(batch)}
+    small_batches = {**NODE, "max_records_per_partition": str(batch)}
 
-    first = start_node(
-        embedded, bootstrap, topic, data_dir, extra_env=small_batches, wait_ready=False
-    )
+    first = start_node(embedded, bootstrap, topic, data_dir, **small_batches, wait_ready=False)
     seen_applied: dict[int, int] = {}
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -86,9 +81,7 @@ def test_kill_9_mid_consumption_then_restart_rereads_at_most_one_batch(embedded,
     assert total // 4 < sum(checkpoints.values()) < total, "killed in the middle of consumption"
     assert all(checkpoints[p] >= seen_applied.get(p, 0) for p in checkpoints), "progress was lost"
 
-    second = start_node(
-        embedded, bootstrap, topic, data_dir, extra_env=small_batches, wait_ready=False
-    )
+    second = start_node(embedded, bootstrap, topic, data_dir, **small_batches, wait_ready=False)
     try:
         metadata = second.wait_caught_up(ends)
         # The restarted node starts at the store's checkpoints and reads only what was not
@@ -105,7 +98,7 @@ def test_kill_9_mid_consumption_then_restart_rereads_at_most_one_batch(embedded,
         second.close()
 
     produce_customers(bootstrap, topic, 120, keys=3000, seed=4, deletes=0)
-    third = start_node(embedded, bootstrap, topic, data_dir, wait_ready=False)
+    third = start_node(embedded, bootstrap, topic, data_dir, wait_ready=False, **NODE)
     try:
         metadata = third.wait_caught_up(ends_of(bootstrap, topic))
         assert metadata["ingest"]["records"] == 120  # after a clean stop: only the new records
@@ -117,7 +110,7 @@ def test_kill_9_mid_consumption_then_restart_rereads_at_most_one_batch(embedded,
 def test_broker_down_at_start_waits_retries_and_recovers(embedded, tmp_path):
     port = free_port()
     bootstrap, topic = f"127.0.0.1:{port}", "late"
-    node = start_node(embedded, bootstrap, topic, tmp_path / "data", wait_ready=False)
+    node = start_node(embedded, bootstrap, topic, tmp_path / "data", wait_ready=False, **NODE)
     try:
         time.sleep(4)
         assert node.process.is_running(), "a missing broker must not stop the node"
