@@ -48,6 +48,8 @@ def create_spark_session(settings: NodeSettings, java_home: Path) -> SparkSessio
         .config("spark.ui.showConsoleProgress", "false")
         .config("spark.sql.shuffle.partitions", "2")
     )
+    if settings.spark_packages:
+        builder = builder.config("spark.jars.packages", settings.spark_packages)
     if settings.spark_master.startswith("local"):
         # In local mode nothing outside this machine talks to the driver: loopback only.
         os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"

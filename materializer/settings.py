@@ -52,6 +52,11 @@ class NodeSettings(EnvSettings):
         default="local[*]",
         description="Spark master URL: local[*], or a cluster such as spark://host:7077.",
     )
+    spark_packages: str | None = Field(
+        default=None,
+        description="Maven coordinates Spark loads (spark.jars.packages), e.g. "
+        "org.apache.spark:spark-sql-kafka-0-10_2.13:4.1.1 for KROUTE_SOURCE=spark-kafka.",
+    )
     source: Literal["python", "spark-kafka"] = Field(
         default="python",
         description="Kafka source: kroute's Python data source, or Spark's own "

@@ -149,3 +149,20 @@ def test_hook_specs_that_do_not_resolve_say_why():
         load_transform("materializer.examples.bookings:nothing", None)
     with pytest.raises(ValueError, match="needs a transform function"):
         load_transform(None, "materializer.examples.bookings:merge_summary")
+
+
+def test_sparks_own_kafka_source_without_its_package_fails_clearly(spark):
+    from pyspark.errors import AnalysisException  # noqa: PLC0415
+
+    from materializer.pipeline import QueryPlan, read_kafka  # noqa: PLC0415
+    from materializer.settings import NodeSettings  # noqa: PLC0415
+
+    settings = NodeSettings.from_env(
+        {
+            "KROUTE_BOOTSTRAP_SERVERS": "127.0.0.1:9",
+            "KROUTE_TOPIC": "t",
+            "KROUTE_SOURCE": "spark-kafka",
+        }
+    )
+    with pytest.raises(AnalysisException, match="Failed to find data source: kafka"):
+        read_kafka(spark, settings, QueryPlan("t", {0: 0}))
