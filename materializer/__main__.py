@@ -29,7 +29,7 @@ def main() -> int:
         print(f"kroute materializer: {exc}", file=sys.stderr)
         return 2
     uvloop.run(node.run())
-    return 0
+    return node.exit_code
 
 
 if __name__ == "__main__":

@@ -97,7 +97,10 @@ class Node:
             pipeline_status=self._pipeline_status,
         )
         self.transform = load_transform(settings.transform, settings.merge)
+        self.exit_code = 0
         self._stop = asyncio.Event()
+        self._client: AIOKafkaClient | None = None
+        self._lag_task: asyncio.Task[None] | None = None
 
     def _pipeline_status(self) -> dict[str, Any]:
         pipeline = self.pipeline
@@ -152,20 +155,25 @@ class Node:
             await self._stop.wait()
         finally:
             log.info("node stopping")
-            starting.cancel()
             server.should_exit = True
-            await asyncio.gather(serving, starting, return_exceptions=True)
+            background = [task for task in (starting, self._lag_task) if task is not None]
+            for task in background:
+                task.cancel()
+            await asyncio.gather(serving, *background, return_exceptions=True)
             if self.pipeline is not None:
                 await asyncio.to_thread(self.pipeline.stop)
+            if self._client is not None:
+                await self._client.close()
             self.store.close()
             log.info("node stopped")
 
     async def _start_materializing(self) -> None:
-        client, num_partitions = await connect_to_broker(self.settings)
+        self._client, num_partitions = await connect_to_broker(self.settings)
         try:
             hosted = self.settings.hosted_partitions(num_partitions)
         except ValueError as exc:
             log.error("bad configuration", error=str(exc))
+            self.exit_code = 2
             self._stop.set()
             return
         for partition in hosted:
@@ -174,24 +182,16 @@ class Node:
         self.state.partitioner = KeyPartitioner(
             self.settings.key_format, self.settings.partitioner, num_partitions
         )
-        lag_task = asyncio.create_task(
-            self.state.lag.run(client, self.settings.lag_interval_ms / 1000)
+        self._lag_task = asyncio.create_task(
+            self.state.lag.run(self._client, self.settings.lag_interval_ms / 1000)
         )
-        try:
-            log.info(
-                "starting Spark",
-                master=self.settings.spark_master,
-                java=str(self.java.java),
-                partitions=list(hosted),
-            )
-            spark = await asyncio.to_thread(
-                create_spark_session, self.settings, self.java.java_home
-            )
-            sink = BatchSink(self.store, self.transform, self.settings.value_format, self.stats)
-            self.pipeline = Pipeline(spark, self.settings, sink, self.plan)
-            self.pipeline.start()
-            await asyncio.Event().wait()  # keep the lag task alive until cancelled
-        finally:
-            lag_task.cancel()
-            await asyncio.gather(lag_task, return_exceptions=True)
-            await client.close()
+        log.info(
+            "starting Spark",
+            master=self.settings.spark_master,
+            java=str(self.java.java),
+            partitions=list(hosted),
+        )
+        spark = await asyncio.to_thread(create_spark_session, self.settings, self.java.java_home)
+        sink = BatchSink(self.store, self.transform, self.settings.value_format, self.stats)
+        self.pipeline = Pipeline(spark, self.settings, sink, self.plan)
+        self.pipeline.start()

@@ -138,3 +138,20 @@ def test_broker_down_at_start_waits_retries_and_recovers(embedded, tmp_path):
         node.process.stop()
         node.close()
     broker.process.stop()
+
+
+def test_partitions_beyond_the_topic_stop_the_node_with_a_clear_error(embedded, broker, tmp_path):
+    create_topics(broker.bootstrap_servers, {"two": 2})
+    node = start_node(
+        embedded,
+        broker.bootstrap_servers,
+        "two",
+        tmp_path / "data",
+        wait_ready=False,
+        partitions="0-3",
+    )
+    try:
+        assert node.process.popen.wait(timeout=60) == 2
+        assert "names partitions [2, 3] but the topic has 2" in node.process.log_path.read_text()
+    finally:
+        node.close()
