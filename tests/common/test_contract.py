@@ -1,0 +1,118 @@
+"""The Redis contract: key names, round trips, and refusing what it does not understand."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from common.contract import (
+    SCHEMA_VERSION,
+    Assignment,
+    ContractError,
+    Event,
+    Hosting,
+    Keys,
+    NodeInfo,
+    PartitionAssignment,
+    PartitionReport,
+    StoreInfo,
+    decode_assignment,
+    decode_event,
+    decode_hosting,
+    decode_node,
+    decode_report,
+    decode_store,
+    encode,
+    lag_field,
+)
+
+
+def test_key_names_are_stable():
+    keys = Keys("prod")
+    assert keys.node("n1") == "kroute:prod:node:n1"
+    assert keys.alive("n1") == "kroute:prod:alive:n1"
+    assert keys.store("customers") == "kroute:prod:store:customers"
+    assert keys.hosting("n1") == "kroute:prod:hosting:n1"
+    assert keys.lag("n1") == "kroute:prod:lag:n1"
+    assert keys.assignment == "kroute:prod:assignment"
+    assert keys.leader == "kroute:prod:leader"
+    assert keys.events == "kroute:prod:events"
+    assert keys.node_id_of(b"kroute:prod:node:n1") == "n1"
+    assert lag_field("customers", 7) == "customers/7"
+
+
+@pytest.mark.parametrize(
+    ("value", "decode"),
+    [
+        (NodeInfo("n1", "http://10.0.0.1:8081", 1_700_000_000_000), decode_node),
+        (StoreInfo("customers", "bookings", 12, "uuid", "murmur2", "json"), decode_store),
+        (PartitionReport(10, 12, 1_700_000_000_000, None, 1_700_000_000_500), decode_report),
+        (Event("assignment", generation=4), decode_event),
+        (
+            Hosting("n1", 4, {"customers": {"active": (0, 3), "standby": (1,)}}, 1_700_000_000_000),
+            decode_hosting,
+        ),
+    ],
+)
+def test_round_trips(value, decode):
+    assert decode(encode(value)) == value
+
+
+@given(
+    st.dictionaries(
+        st.integers(0, 99),
+        st.tuples(
+            st.sampled_from(["a", "b", None]), st.lists(st.sampled_from(["c", "d"]), unique=True)
+        ),
+        max_size=10,
+    ),
+    st.integers(1, 10**6),
+)
+def test_assignment_round_trips(parts, generation):
+    assignment = Assignment(
+        generation,
+        "a",
+        123,
+        {"customers": {p: PartitionAssignment(a, tuple(s)) for p, (a, s) in parts.items()}},
+    )
+    assert decode_assignment(encode(assignment)) == assignment
+
+
+def test_every_value_says_its_schema_version():
+    assert json.loads(encode(Event("node", node_id="n1")))["v"] == SCHEMA_VERSION
+
+
+@pytest.mark.parametrize(
+    ("raw", "reason"),
+    [
+        (b'{"v": 2, "node_id": "n1", "url": "u", "started_at_ms": 1}', "schema version 2"),
+        (b'{"node_id": "n1"}', "schema version None"),
+        (b"not json", "not JSON"),
+        (b"[1, 2]", "expected a JSON object"),
+        (b'{"v": 1, "node_id": "n1"}', "not a NodeInfo"),
+    ],
+)
+def test_values_it_does_not_understand_are_refused_with_a_reason(raw, reason):
+    with pytest.raises(ContractError, match=reason):
+        decode_node(raw)
+
+
+def test_assignment_knows_each_nodes_roles():
+    assignment = Assignment(
+        3,
+        "a",
+        0,
+        {
+            "s": {
+                0: PartitionAssignment("a", ("b",)),
+                1: PartitionAssignment("b", ("a",)),
+                2: PartitionAssignment("b", ()),
+            }
+        },
+    )
+    assert assignment.for_node("a") == {"s": {"active": [0], "standby": [1]}}
+    assert assignment.for_node("b") == {"s": {"active": [1, 2], "standby": [0]}}
+    assert assignment.for_node("z") == {}

@@ -1,0 +1,244 @@
+"""Property tests of the leader's assignment function (a pure function: plain values in and out)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from common.contract import Assignment, PartitionAssignment
+from materializer.assignment import Member, compute_assignment
+
+NOW = 10_000_000
+GRACE = 600_000
+NODE_IDS = [f"n{i}" for i in range(6)]
+
+
+@dataclass(frozen=True)
+class Cluster:
+    stores: dict[str, int]
+    members: dict[str, Member]
+    previous: Assignment
+    lag: dict[tuple[str, int, str], int | None]
+    standbys: int
+
+
+@st.composite
+def clusters(draw):
+    count = draw(st.integers(1, 6))
+    nodes = NODE_IDS[:count]
+    stores = {"customers": draw(st.integers(1, 12))}
+    if draw(st.booleans()):
+        stores["orders"] = draw(st.integers(1, 5))
+    standbys = draw(st.integers(0, 2))
+    # The assignment as it stood while everyone was alive (a realistic "previous").
+    everyone = {n: Member(n, alive=True) for n in nodes}
+    previous = compute_assignment(
+        stores,
+        everyone,
+        None,
+        {},
+        standbys=standbys,
+        grace_ms=GRACE,
+        now_ms=NOW - GRACE * 3,
+        leader=nodes[0],
+    )
+    members = {}
+    for n in nodes:
+        state = draw(st.sampled_from(["alive", "alive", "dead-in-grace", "dead-for-good"]))
+        if state == "alive":
+            members[n] = Member(n, alive=True)
+        else:
+            since = NOW - (GRACE // 2 if state == "dead-in-grace" else GRACE * 2)
+            members[n] = Member(n, alive=False, dead_since_ms=since)
+    # Lag is reported only by nodes that host a replica (as in the real cluster).
+    lag = {
+        (store, p, node): draw(st.one_of(st.none(), st.integers(0, 50)))
+        for store, parts in previous.stores.items()
+        for p, placed in parts.items()
+        for node in placed.replicas()
+    }
+    return Cluster(stores, members, previous, lag, standbys)
+
+
+def assign(cluster: Cluster, previous: Assignment | None = None) -> Assignment:
+    return compute_assignment(
+        cluster.stores,
+        cluster.members,
+        previous or cluster.previous,
+        cluster.lag,
+        standbys=cluster.standbys,
+        grace_ms=GRACE,
+        now_ms=NOW,
+        leader="n0",
+    )
+
+
+def holders(members):
+    return {n for n, m in members.items() if m.alive or NOW - m.dead_since_ms < GRACE}
+
+
+def placements(assignment: Assignment):
+    for store, parts in assignment.stores.items():
+        for partition, placed in parts.items():
+            yield store, partition, placed
+
+
+@settings(max_examples=400)
+@given(clusters())
+def test_replicas_are_distinct_and_only_on_nodes_that_may_hold_them(cluster):
+    result = assign(cluster)
+    alive = {n for n, m in cluster.members.items() if m.alive}
+    assert {(s, p) for s, p, _ in placements(result)} == {
+        (s, p) for s, c in cluster.stores.items() for p in range(c)
+    }
+    for store, partition, placed in placements(result):
+        replicas = placed.replicas()
+        assert len(replicas) == len(set(replicas)), "two replicas on one node"
+        assert set(replicas) <= holders(cluster.members)
+        if alive:
+            assert placed.active is not None
+        before = cluster.previous.stores[store][partition].replicas()
+        assert set(replicas) - set(before) <= alive, "new replicas go to live nodes only"
+        # Standbys on nodes in their grace period are kept as they were, even above the count.
+        live_standbys = [n for n in placed.standbys if n in alive]
+        wanted = max(0, min(cluster.standbys, len(holders(cluster.members)) - 1))
+        assert len(live_standbys) <= wanted
+
+
+@settings(max_examples=300)
+@given(clusters())
+def test_nodes_in_their_grace_period_keep_their_partitions_and_roles(cluster):
+    result = assign(cluster)
+    in_grace = holders(cluster.members) - {n for n, m in cluster.members.items() if m.alive}
+    for store, partition, placed in placements(cluster.previous):
+        for node in placed.replicas():
+            if node in in_grace:
+                assert result.stores[store][partition].role_of(node) == placed.role_of(node)
+
+
+@settings(max_examples=300)
+@given(clusters())
+def test_a_lost_active_is_replaced_by_a_previous_replica_when_one_lives(cluster):
+    result = assign(cluster)
+    alive = {n for n, m in cluster.members.items() if m.alive}
+    for store, partition, placed in placements(cluster.previous):
+        live_replicas = [n for n in placed.replicas() if n in alive]
+        if live_replicas:
+            assert result.stores[store][partition].active in placed.replicas()
+
+
+@settings(max_examples=300)
+@given(clusters())
+def test_the_most_caught_up_standby_is_promoted(cluster):
+    alive = {n for n, m in cluster.members.items() if m.alive}
+    result = assign(cluster)
+    for store, partition, placed in placements(cluster.previous):
+        gone = placed.active not in holders(cluster.members)
+        live_standbys = [n for n in placed.standbys if n in alive]
+        new_active = result.stores[store][partition].active
+        if gone and live_standbys and new_active in live_standbys:
+
+            def lag_or_worst(
+                node: str, store: str = store, partition: int = partition
+            ) -> tuple[int, str]:
+                reported = cluster.lag.get((store, partition, node))
+                return (2**62 if reported is None else reported, node)
+
+            best = min(live_standbys, key=lag_or_worst)
+
+            caught_up = cluster.lag.get((store, partition, new_active)) == 0
+            assert new_active == best or caught_up  # or moved later to a caught-up replica
+
+
+@settings(max_examples=300)
+@given(clusters())
+def test_assigning_again_changes_nothing(cluster):
+    first = assign(cluster)
+    second = assign(cluster, previous=first)
+    assert second == first
+    assert second.generation == first.generation
+
+
+@settings(max_examples=300)
+@given(st.integers(1, 6), st.integers(1, 40), st.integers(0, 2))
+def test_from_scratch_with_everyone_alive_it_is_balanced(node_count, partitions, standbys):
+    members = {n: Member(n, alive=True) for n in NODE_IDS[:node_count]}
+    result = compute_assignment(
+        {"s": partitions},
+        members,
+        None,
+        {},
+        standbys=standbys,
+        grace_ms=GRACE,
+        now_ms=NOW,
+        leader="n0",
+    )
+    actives = {n: 0 for n in members}
+    replicas = {n: 0 for n in members}
+    for _, _, placed in placements(result):
+        actives[placed.active] += 1
+        assert len(placed.standbys) == min(standbys, node_count - 1)
+        for node in placed.replicas():
+            replicas[node] += 1
+    assert max(actives.values()) - min(actives.values()) <= 1
+    assert max(replicas.values()) - min(replicas.values()) <= 1
+
+
+def test_a_returning_node_rejoins_without_moving_anything_else():
+    members = {n: Member(n, alive=True) for n in ("a", "b", "c")}
+    first = compute_assignment(
+        {"s": 12}, members, None, {}, standbys=1, grace_ms=GRACE, now_ms=NOW, leader="a"
+    )
+    members["b"] = Member("b", alive=False, dead_since_ms=NOW)
+    during = compute_assignment(
+        {"s": 12}, members, first, {}, standbys=1, grace_ms=GRACE, now_ms=NOW + 1000, leader="a"
+    )
+    assert during.stores == first.stores  # within the grace period nothing moves
+    members["b"] = Member("b", alive=True)
+    back = compute_assignment(
+        {"s": 12}, members, during, {}, standbys=1, grace_ms=GRACE, now_ms=NOW + 2000, leader="a"
+    )
+    assert back.stores == first.stores
+
+
+def test_after_the_grace_period_the_dead_nodes_partitions_move():
+    members = {n: Member(n, alive=True) for n in ("a", "b", "c")}
+    first = compute_assignment(
+        {"s": 6}, members, None, {}, standbys=1, grace_ms=GRACE, now_ms=NOW, leader="a"
+    )
+    members["b"] = Member("b", alive=False, dead_since_ms=NOW)
+    lag = {("s", p, n): 0 for p, placed in first.stores["s"].items() for n in placed.replicas()}
+    after = compute_assignment(
+        {"s": 6},
+        members,
+        first,
+        lag,
+        standbys=1,
+        grace_ms=GRACE,
+        now_ms=NOW + GRACE + 1,
+        leader="a",
+    )
+    for partition, placed in after.stores["s"].items():
+        assert "b" not in placed.replicas()
+        assert len(placed.standbys) == 1
+        was = first.stores["s"][partition]
+        if was.active == "b":
+            assert placed.active in was.standbys  # the standby took over
+    assert after.generation == first.generation + 1
+
+
+def test_generation_moves_only_when_the_assignment_changes():
+    members = {"a": Member("a", alive=True)}
+    first = compute_assignment(
+        {"s": 2}, members, None, {}, standbys=1, grace_ms=GRACE, now_ms=NOW, leader="a"
+    )
+    assert first.generation == 1
+    assert first.stores["s"][0] == PartitionAssignment("a", ())
+    members["b"] = Member("b", alive=True)
+    second = compute_assignment(
+        {"s": 2}, members, first, {}, standbys=1, grace_ms=GRACE, now_ms=NOW, leader="a"
+    )
+    assert second.generation == 2
+    assert all(placed.standbys == ("b",) for placed in second.stores["s"].values())
