@@ -7,8 +7,10 @@ carries `"v": SCHEMA_VERSION`; a reader refuses values of a newer major version 
 guessing.
 
 Keys, for a cluster named C, all under `kroute:C:` (details in docs/redis-contract.md):
-`node:<id>` NodeInfo (the node); `alive:<id>` "1" with a TTL, the heartbeat (the node);
-`store:<name>` StoreInfo (the leader); `hosting:<id>` Hosting, what a node serves (the node);
+`nodes` / `stores` sets of ids and names; `node:<id>` NodeInfo (the node); `alive:<id>` "1" with
+a TTL, the heartbeat (the node); `store:<name>` StoreInfo (every node hosting the store, who
+must agree); `hosting:<id>` Hosting, what a node serves (the node);
+
 `lag:<id>` hash `<store>/<partition>` -> PartitionReport (the node); `assignment` Assignment
 (the leader); `leader` the leader's id with a lease TTL; pub/sub channel `events` Event.
 """
@@ -54,6 +56,16 @@ class Keys:
 
     def lag(self, node_id: str) -> str:
         return f"{self.prefix}lag:{node_id}"
+
+    @property
+    def nodes(self) -> str:
+        """Set of every node id that ever registered (the leader reads it, never SCANs)."""
+        return f"{self.prefix}nodes"
+
+    @property
+    def stores(self) -> str:
+        """Set of every store name."""
+        return f"{self.prefix}stores"
 
     @property
     def assignment(self) -> str:

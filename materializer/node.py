@@ -12,14 +12,19 @@ import asyncio
 import contextlib
 import signal
 import socket
-from collections.abc import Iterator
+import time
+from collections.abc import Coroutine, Iterator
 from typing import Any
 
+import redis.asyncio as aioredis
 import structlog
 import uvicorn
 from aiokafka.client import AIOKafkaClient
 
+from common.contract import Assignment, Hosting, Keys, NodeInfo, PartitionReport, StoreInfo
 from common.java import JavaRuntime
+from materializer.cluster import ClusterMember, ClusterTiming
+from materializer.forwarding import Forwarder
 from materializer.lag import LagTracker
 from materializer.pipeline import Pipeline, QueryPlan, create_spark_session
 from materializer.server import NodeApp, NodeState
@@ -101,6 +106,12 @@ class Node:
         self._stop = asyncio.Event()
         self._client: AIOKafkaClient | None = None
         self._lag_task: asyncio.Task[None] | None = None
+        self.advertised_url = settings.advertised_url or ""
+        self.cluster: ClusterMember | None = None
+        self._cluster_task: asyncio.Task[None] | None = None
+        self._generation = 0
+        self._drop_timers: dict[int, asyncio.TimerHandle] = {}
+        self._tasks: set[asyncio.Future[None]] = set()
 
     def _pipeline_status(self) -> dict[str, Any]:
         pipeline = self.pipeline
@@ -131,6 +142,7 @@ class Node:
             loop.add_signal_handler(signum, self._stop.set)
         sock = bind_socket(self.settings.host, self.settings.port)
         host, port = sock.getsockname()[:2]
+        self.advertised_url = self.settings.advertised_url or f"http://{host}:{port}"
         server = _Server(
             uvicorn.Config(
                 NodeApp(self.state),
@@ -156,7 +168,9 @@ class Node:
         finally:
             log.info("node stopping")
             server.should_exit = True
-            background = [task for task in (starting, self._lag_task) if task is not None]
+            background = [
+                task for task in (starting, self._lag_task, self._cluster_task) if task is not None
+            ]
             for task in background:
                 task.cancel()
             await asyncio.gather(serving, *background, return_exceptions=True)
@@ -164,24 +178,28 @@ class Node:
                 await asyncio.to_thread(self.pipeline.stop)
             if self._client is not None:
                 await self._client.close()
+            await self._leave_cluster()
             self.store.close()
             log.info("node stopped")
 
     async def _start_materializing(self) -> None:
         self._client, num_partitions = await connect_to_broker(self.settings)
-        try:
-            hosted = self.settings.hosted_partitions(num_partitions)
-        except ValueError as exc:
-            log.error("bad configuration", error=str(exc))
-            self.exit_code = 2
-            self._stop.set()
-            return
-        for partition in hosted:
-            self.store.add_partition(partition)
-        self.state.hosted = hosted
         self.state.partitioner = KeyPartitioner(
             self.settings.key_format, self.settings.partitioner, num_partitions
         )
+        if self.settings.redis_url is None:
+            try:
+                hosted = self.settings.hosted_partitions(num_partitions)
+            except ValueError as exc:
+                log.error("bad configuration", error=str(exc))
+                self.exit_code = 2
+                self._stop.set()
+                return
+            self._host({p: self.settings.role for p in hosted})
+        else:
+            hosted = ()
+            self._join_cluster(num_partitions)
+
         self._lag_task = asyncio.create_task(
             self.state.lag.run(self._client, self.settings.lag_interval_ms / 1000)
         )
@@ -195,3 +213,141 @@ class Node:
         sink = BatchSink(self.store, self.transform, self.settings.value_format, self.stats)
         self.pipeline = Pipeline(spark, self.settings, sink, self.plan)
         self.pipeline.start()
+
+    # -- hosting and the cluster ---------------------------------------------------------------
+
+    def _host(self, roles: dict[int, str]) -> bool:
+        """Serve and read exactly these partitions; True when the set changed."""
+        hosted = tuple(sorted(roles))
+        for partition in hosted:
+            self.store.add_partition(partition)
+            timer = self._drop_timers.pop(partition, None)
+            if timer is not None:
+                timer.cancel()  # assigned back within the grace period: nothing to restore
+        removed = set(self.state.hosted) - set(hosted)
+        changed = hosted != self.state.hosted
+        self.state.roles = dict(roles)
+        self.state.hosted = hosted
+        loop = asyncio.get_running_loop()
+        for partition in removed:
+            # Kept on disk for the grace period, in case it comes back (KIP-441's lesson).
+            self._drop_timers[partition] = loop.call_later(
+                self.settings.grace_period_s, self._drop_if_unhosted, partition
+            )
+        return changed
+
+    def _drop_if_unhosted(self, partition: int) -> None:
+        self._drop_timers.pop(partition, None)
+        if partition not in self.state.hosted:
+            log.info("dropping a partition no longer hosted", partition=partition)
+            self.store.drop_partition(partition)
+
+    def _apply_assignment(self, assignment: Assignment) -> None:
+        mine = assignment.for_node(self.settings.node_id).get(self.settings.store_name, {})
+        roles = {p: "active" for p in mine.get("active", [])}
+        roles.update({p: "standby" for p in mine.get("standby", [])})
+        self._generation = assignment.generation
+        if self._host(roles):
+            log.info(
+                "assignment applied",
+                generation=assignment.generation,
+                active=mine.get("active", []),
+                standby=mine.get("standby", []),
+            )
+            if self.pipeline is not None:
+                self._background(asyncio.to_thread(self.pipeline.replan))
+
+    def _background(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _join_cluster(self, num_partitions: int) -> None:
+        settings = self.settings
+        assert settings.redis_url is not None
+        redis = aioredis.from_url(
+            settings.redis_url.get_secret_value(),
+            socket_timeout=1.0,
+            socket_connect_timeout=1.0,
+            health_check_interval=5,
+        )
+        self.state.forwarder = Forwarder(settings.node_id)
+        self.state.owner_of = self._owner_url
+        self.cluster = ClusterMember(
+            redis=redis,
+            keys=Keys(settings.cluster),
+            node=NodeInfo(settings.node_id, self.advertised_url, int(time.time() * 1000)),
+            store=StoreInfo(
+                settings.store_name,
+                settings.topic,
+                num_partitions,
+                settings.key_format,
+                settings.partitioner,
+                settings.value_format,
+            ),
+            timing=ClusterTiming(
+                heartbeat_ms=settings.heartbeat_ms,
+                alive_ttl_ms=settings.alive_ttl_ms,
+                leader_lease_ms=max(settings.alive_ttl_ms, 1000),
+                report_interval_ms=settings.lag_interval_ms,
+                grace_ms=int(settings.grace_period_s * 1000),
+                standbys=settings.standbys,
+            ),
+            hosting=self._hosting,
+            reports=self._reports,
+            on_assignment=self._apply_assignment,
+        )
+        self._cluster_task = asyncio.create_task(self.cluster.run())
+        log.info("joining the cluster", cluster=settings.cluster, url=self.advertised_url)
+
+    async def _leave_cluster(self) -> None:
+        cluster = self.cluster
+        if cluster is None:
+            return
+        with contextlib.suppress(aioredis.RedisError, OSError):
+            # Stopping on purpose: say so at once instead of letting the heartbeat expire.
+            await cluster.redis.delete(cluster.keys.alive(self.settings.node_id))
+        await cluster.redis.aclose()
+        if self.state.forwarder is not None:
+            await self.state.forwarder.close()
+
+    def _owner_url(self, partition: int) -> str | None:
+        """The URL of the live node that is active for a partition (else a live standby)."""
+        cluster = self.cluster
+        assignment = cluster.assignment if cluster else None
+        if cluster is None or assignment is None:
+            return None
+        placed = assignment.stores.get(self.settings.store_name, {}).get(partition)
+        if placed is None:
+            return None
+        for node_id in placed.replicas():
+            if node_id != self.settings.node_id and node_id in cluster.alive_nodes:
+                return cluster.node_urls.get(node_id)
+        return None
+
+    def _hosting(self) -> Hosting:
+        roles = self.state.roles
+        return Hosting(
+            node_id=self.settings.node_id,
+            generation=self._generation,
+            stores={
+                self.settings.store_name: {
+                    "active": tuple(p for p in self.state.hosted if roles.get(p) == "active"),
+                    "standby": tuple(p for p in self.state.hosted if roles.get(p) == "standby"),
+                }
+            },
+            updated_at_ms=int(time.time() * 1000),
+        )
+
+    def _reports(self) -> dict[int, PartitionReport]:
+        at = int(time.time() * 1000)
+        return {
+            partition: PartitionReport(
+                current_offset=lag.current_offset,
+                end_offset=lag.end_offset,
+                newest_record_ms=lag.newest_record_ms,
+                caught_up_at_ms=lag.caught_up_at_ms,
+                updated_at_ms=at,
+            )
+            for partition, lag in self.state.lag.snapshot.items()
+        }

@@ -118,6 +118,7 @@ class Pipeline:
         self._sink = sink
         self._plan_source = plan_source
         self._stopping = threading.Event()
+        self._replan = threading.Event()
         self._query: StreamingQuery | None = None
         self._checkpoint_dir: Path | None = None
         self._thread = threading.Thread(target=self._supervise, name="kroute-pipeline", daemon=True)
@@ -141,6 +142,13 @@ class Pipeline:
                 log.warning("stopping the query failed", error=str(exc))
         self._thread.join(timeout_s)
         self._remove_checkpoint_dir()
+
+    def replan(self) -> None:
+        """Restart the query on the current plan (the hosted partitions changed)."""
+        self._replan.set()
+        query = self._query
+        if query is not None and query.isActive:
+            query.stop()  # awaitTermination returns; the supervisor starts the new plan at once
 
     def progress(self) -> dict[str, Any] | None:
         query = self._query
@@ -168,7 +176,14 @@ class Pipeline:
                 delay = min(delay * 2, self._settings.start_retry_max_s)
 
     def _run_once(self) -> None:
+        self._replan.clear()
         plan = self._plan_source()
+        if not plan.starting_offsets:
+            log.info("no partitions to read; waiting for an assignment")
+            while not (self._replan.wait(0.5) or self._stopping.is_set()):
+                pass
+            return
+
         self._remove_checkpoint_dir()
         self._checkpoint_dir = self._settings.data_dir / "spark" / f"checkpoint-{uuid.uuid4().hex}"
         log.info(

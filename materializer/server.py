@@ -16,10 +16,13 @@ from __future__ import annotations
 import base64
 import json
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
 
+import httpx
+
+from materializer.forwarding import FORWARDED_BY, Forwarder
 from materializer.lag import LagTracker, now_ms
 from materializer.sink import IngestStats
 from materializer.store import Store
@@ -47,7 +50,14 @@ class NodeState:
     stats: IngestStats
     partitioner: KeyPartitioner | None = None  # None until the topic's partition count is known
     hosted: tuple[int, ...] = ()
+    roles: dict[int, str] = field(default_factory=dict)  # partition -> active/standby
     pipeline_status: Callable[[], dict[str, Any]] = dict
+    # In a cluster: the URL of the node that is active for a partition, and how to reach it.
+    owner_of: Callable[[int], str | None] | None = None
+    forwarder: Forwarder | None = None
+
+    def role_of(self, partition: int) -> str:
+        return self.roles.get(partition, self.role)
 
 
 class NodeApp:
@@ -76,7 +86,7 @@ class NodeApp:
                     },
                 )
                 return
-            await self._lookup(send, store, key)
+            await self._lookup(send, store, key, scope, path)
         elif path == b"/metadata":
             await _respond(send, 200, self._metadata())
         elif path == b"/health/live":
@@ -90,7 +100,9 @@ class NodeApp:
                 {"error": "not_found", "detail": "no such endpoint", "path": scope["path"]},
             )
 
-    async def _lookup(self, send: Send, store: str, key_text: str) -> None:
+    async def _lookup(
+        self, send: Send, store: str, key_text: str, scope: Scope, path: bytes
+    ) -> None:
         state = self.state
         if store != state.store_name:
             await _respond(
@@ -123,6 +135,8 @@ class NodeApp:
             )
             return
         if partition not in state.hosted:
+            if await self._forward(send, partition, scope, path):
+                return
             await _respond(
                 send,
                 421,
@@ -155,7 +169,26 @@ class NodeApp:
         }
         await _respond_raw(send, 200, _with_value(body, found.value, state.value_format), headers)
 
+    async def _forward(self, send: Send, partition: int, scope: Scope, path: bytes) -> bool:
+        """Forward once to the partition's active node; False when that is not possible."""
+        state = self.state
+        headers = scope.get("headers", [])
+        already_forwarded = any(name == FORWARDED_BY.encode() for name, _ in headers)
+        owner = state.owner_of(partition) if state.owner_of else None
+        if already_forwarded or owner is None or state.forwarder is None:
+            return False
+        try:
+            result = await state.forwarder.forward(owner, path.decode("ascii"))
+        except httpx.HTTPError as exc:
+            reason = str(exc) or type(exc).__name__
+            payload = {"error": "owner_unreachable", "partition": partition, "owner": owner}
+            await _respond(send, 503, {**payload, "detail": reason})
+            return True
+        await _respond_raw(send, result.status, result.body, result.headers)
+        return True
+
     def _metadata(self) -> dict[str, Any]:
+
         state = self.state
         at = now_ms()
         with state.stats.lock:
@@ -169,7 +202,9 @@ class NodeApp:
         for partition in state.hosted:
             lag = state.lag.snapshot.get(partition)
             entry: dict[str, Any] = lag.as_json(at) if lag else {"partition": partition}
-            entry.update({"role": state.role, "skipped_records": problems.get(partition, 0)})
+            entry.update(
+                {"role": state.role_of(partition), "skipped_records": problems.get(partition, 0)}
+            )
             partitions.append(entry)
         return {
             "node": state.node_id,
@@ -219,7 +254,7 @@ def _provenance(state: NodeState, partition: int, lag: Any) -> dict[str, Any]:
     return {
         "partition": partition,
         "node": state.node_id,
-        "role": state.role,
+        "role": state.role_of(partition),
         "position": lag.current_offset if lag else None,
         "lag": lag.lag if lag else None,
         "time_lag_ms": lag.time_lag_ms(at) if lag else None,

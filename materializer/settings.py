@@ -7,7 +7,7 @@ import socket
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 
 from common.settings import EnvSettings
 from partitioner import ALGORITHMS, KEY_FORMATS
@@ -102,6 +102,36 @@ class NodeSettings(EnvSettings):
         gt=0,
         le=3600,
         description="Longest wait between attempts to reach the broker or restart Spark.",
+    )
+    redis_url: SecretStr | None = Field(
+        default=None,
+        description="Redis for the cluster, e.g. redis://:password@host:6379/0 (unset: standalone "
+        "node serving KROUTE_PARTITIONS). Printed as ***.",
+    )
+    cluster: str = Field(
+        default="default",
+        pattern=r"^[A-Za-z0-9_.-]+$",
+        description="Cluster name: the prefix of every Redis key.",
+    )
+    advertised_url: str | None = Field(
+        default=None,
+        description="URL other nodes and proxies use to reach this node (default: http://host:port).",
+    )
+    standbys: int = Field(
+        default=1,
+        ge=0,
+        le=10,
+        description="Standby replicas per partition (the leader places them).",
+    )
+    grace_period_s: float = Field(
+        default=600.0,
+        ge=0,
+        le=86_400,
+        description="How long a dead node keeps its partitions before they move.",
+    )
+    heartbeat_ms: int = Field(default=300, ge=50, le=10_000, description="Heartbeat interval.")
+    alive_ttl_ms: int = Field(
+        default=2000, ge=200, le=60_000, description="A node missing heartbeats this long is dead."
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         default="info", description="Log level of the node's JSON logs."
