@@ -167,7 +167,8 @@ class EmbeddedServices:
         process, port = self._start_on_free_port("tansu", command, _kafka_ready, port)
         return BrokerHandle(bootstrap_servers=f"{LOOPBACK}:{port}", port=port, process=process)
 
-    def start_redis(self) -> RedisHandle:
+    def start_redis(self, port: int | None = None) -> RedisHandle:
+        """redis-server on loopback (a free port unless given), no persistence."""
         binary = redis_server_binary()
         data_dir = self.workdir / "redis"
         data_dir.mkdir(exist_ok=True)
@@ -181,7 +182,7 @@ class EmbeddedServices:
                 "--daemonize", "no", "--protected-mode", "yes",
             ]  # fmt: skip
 
-        process, port = self._start_on_free_port("redis-server", command, _redis_ready)
+        process, port = self._start_on_free_port("redis-server", command, _redis_ready, port)
         return RedisHandle(host=LOOPBACK, port=port, process=process)
 
     def start_process(

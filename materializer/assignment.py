@@ -180,25 +180,29 @@ def _balance_standbys(placements: dict[PartitionId, _Placement], alive: list[str
 def _balance_actives(
     placements: dict[PartitionId, _Placement], alive: list[str], lag: LagReports, caught_up_lag: int
 ) -> None:
-    for _ in range(len(placements) * max(1, len(alive))):
+    """Swap active and standby roles while some swap narrows an active-count gap of 2 or more.
+
+    Only onto a caught-up standby, so a partition never becomes active on a cold replica.
+    """
+    for _ in range(len(placements) * max(1, len(alive))):  # bounded: each swap narrows a gap
         loads = _loads(placements, alive)
-        heaviest = max(alive, key=lambda n: (loads[n][0], n))
-        lightest = min(alive, key=lambda n: (loads[n][0], n))
-        if loads[heaviest][0] - loads[lightest][0] <= 1:
+        best: tuple[int, str, str, _Placement] | None = None
+        for (store, partition), placement in sorted(placements.items()):
+            active = placement.active
+            if active not in loads:
+                continue
+            for standby in placement.standbys:
+                reported = lag.get((store, partition, standby))
+                if standby not in loads or reported is None or reported > caught_up_lag:
+                    continue
+                gap = loads[active][0] - loads[standby][0]
+                if gap >= 2 and (best is None or gap > best[0]):
+                    best = (gap, active, standby, placement)
+        if best is None:
             return
-        swappable = [
-            placement
-            for (store, partition), placement in sorted(placements.items())
-            if placement.active == heaviest
-            and lightest in placement.standbys
-            and (reported := lag.get((store, partition, lightest))) is not None
-            and reported <= caught_up_lag
-        ]
-        if not swappable:
-            return
-        placement = swappable[0]
-        placement.standbys[placement.standbys.index(lightest)] = heaviest
-        placement.active = lightest
+        _, active, standby, placement = best
+        placement.standbys[placement.standbys.index(standby)] = active
+        placement.active = standby
 
 
 def _same(previous: Assignment, stores: Mapping[str, Mapping[int, PartitionAssignment]]) -> bool:

@@ -175,8 +175,10 @@ class ClusterMember:
             now_ms=now_ms(),
             leader=self.node.node_id,
         )
-        if previous is not None and assignment.generation == previous.generation:
-            return
+        unchanged = previous is not None and assignment.generation == previous.generation
+        if unchanged and await self.redis.exists(self.keys.assignment):
+            return  # (a Redis that lost its data gets the assignment back at once)
+
         event = encode(Event("assignment", generation=assignment.generation))
         written = await self.redis.eval(
             _WRITE_IF_LEADER, 3, self.keys.leader, self.keys.assignment, self.keys.events,

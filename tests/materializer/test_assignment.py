@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from hypothesis import given, settings
@@ -242,3 +243,32 @@ def test_generation_moves_only_when_the_assignment_changes():
     )
     assert second.generation == 2
     assert all(placed.standbys == ("b",) for placed in second.stores["s"].values())
+
+
+def test_nodes_joining_one_by_one_end_up_with_balanced_actives_once_caught_up():
+    members: dict[str, Member] = {}
+    assignment = None
+    for node in ("a", "b", "c"):
+        members[node] = Member(node, alive=True)
+        for _ in range(4):  # a few leader rounds, every replica reporting lag 0
+            lag = {}
+            if assignment is not None:
+                lag = {
+                    ("s", p, n): 0
+                    for p, placed in assignment.stores["s"].items()
+                    for n in placed.replicas()
+                }
+            assignment = compute_assignment(
+                {"s": 6},
+                members,
+                assignment,
+                lag,
+                standbys=1,
+                grace_ms=GRACE,
+                now_ms=NOW,
+                leader="a",
+            )
+    actives = Counter(placed.active for placed in assignment.stores["s"].values())
+    replicas = Counter(n for placed in assignment.stores["s"].values() for n in placed.replicas())
+    assert sorted(actives.values()) == [2, 2, 2]
+    assert sorted(replicas.values()) == [4, 4, 4]

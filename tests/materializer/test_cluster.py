@@ -1,0 +1,336 @@
+"""Three real nodes, real Tansu, real redis-server: membership, assignment, failover, lag.
+
+The tests share one cluster and run in file order: each step starts from where the one before
+left it (all three up; then lag under a paused consumer; then a node killed for good; then a
+node restarted within its grace period).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import redis
+from confluent_kafka import Producer
+
+from common.contract import (
+    Assignment,
+    Keys,
+    decode_assignment,
+    decode_hosting,
+    decode_report,
+    lag_field,
+)
+from kroute.embedded import EmbeddedServices, RedisHandle
+from kroute.nodes import NodeHandle, start_node
+from kroute.topics import create_topics
+from materializer.kafka_offsets import end_offsets
+from partitioner import partition
+
+pytestmark = pytest.mark.integration
+
+PARTITIONS = 6
+GRACE_S = 8
+NODE_NAMES = ("a", "b", "c")
+
+
+@dataclass
+class Cluster:
+    services: EmbeddedServices
+    bootstrap: str
+    topic: str
+    redis: redis.Redis
+    keys: Keys
+    settings: dict[str, str]
+    workdir: Path
+    nodes: dict[str, NodeHandle]
+    redis_server: RedisHandle
+    dead: str = ""
+
+    @property
+    def alive(self) -> set[str]:
+        return set(NODE_NAMES) - {self.dead}
+
+    def assignment(self) -> Assignment:
+        raw = self.redis.get(self.keys.assignment)
+        assert raw is not None, "no assignment yet"
+        return decode_assignment(raw)
+
+    def start(self, name: str) -> NodeHandle:
+        node = start_node(
+            self.services,
+            self.bootstrap,
+            self.topic,
+            self.workdir / name,
+            name=name,
+            wait_ready=False,
+            **self.settings,
+        )
+        self.nodes[name] = node
+        return node
+
+    def produce(self, count: int, tag: str) -> Counter[int]:
+        """`count` records with fresh keys; how many went to each partition."""
+        producer = Producer(
+            {"bootstrap.servers": self.bootstrap, "partitioner": "murmur2_random", "linger.ms": 5}
+        )
+        per_partition: Counter[int] = Counter()
+        for i in range(count):
+            key = f"{tag}-{i}".encode()
+            producer.produce(self.topic, key=key, value=b'{"n": %d}' % i)
+            per_partition[partition(key, PARTITIONS)] += 1
+        assert producer.flush(30) == 0
+        return per_partition
+
+    def ends(self) -> dict[int, int]:
+        return asyncio.run(end_offsets(self.bootstrap, self.topic, range(PARTITIONS)))
+
+    def settled(self, alive: set[str]) -> bool:
+        """Every live node reports the current generation and has caught up on it."""
+        try:
+            assignment = self.assignment()
+        except AssertionError:
+            return False
+        ends = self.ends()
+        for name in alive:
+            raw = self.redis.get(self.keys.hosting(name))
+            if raw is None or decode_hosting(raw).generation != assignment.generation:
+                return False
+            mine = assignment.for_node(name).get("customers", {})
+            for p in mine.get("active", []) + mine.get("standby", []):
+                report = self.redis.hget(self.keys.lag(name), lag_field("customers", p))
+                if report is None or decode_report(report).current_offset != ends[p]:
+                    return False
+        covered = {
+            n for placed in assignment.stores["customers"].values() for n in placed.replicas()
+        }
+        return covered == alive and len(assignment.stores["customers"]) == PARTITIONS
+
+    def wait_settled(self, alive: set[str], timeout_s: float = 180) -> Assignment:
+        """Until settled() has held, on one generation, for several leader rounds."""
+        deadline = time.monotonic() + timeout_s
+        stable_since: tuple[int, float] | None = None
+        while time.monotonic() < deadline:
+            for name in alive:
+                assert self.nodes[name].process.is_running(), self.nodes[name].process.log_tail(30)
+            if not self.settled(alive):
+                stable_since = None
+            else:
+                generation = self.assignment().generation
+                if stable_since is None or stable_since[0] != generation:
+                    stable_since = (generation, time.monotonic())
+                elif time.monotonic() - stable_since[1] > 2.0:
+                    return self.assignment()
+            time.sleep(0.3)
+        raise AssertionError(f"cluster did not settle: {self.redis.get(self.keys.assignment)}")
+
+
+@pytest.fixture(scope="module")
+def cluster(embedded, broker, tmp_path_factory) -> Iterator[Cluster]:
+    redis_server = embedded.start_redis()  # its own: a test restarts it
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    topic = f"cluster-{name}"
+    create_topics(broker.bootstrap_servers, {topic: PARTITIONS})
+    settings = {
+        "store": "customers",
+        "spark_master": "local[1]",
+        "redis_url": redis_server.url,
+        "cluster": name,
+        "grace_period_s": str(GRACE_S),
+        "standbys": "1",
+        "alive_ttl_ms": "2000",
+        "heartbeat_ms": "300",
+    }
+    client = redis.Redis.from_url(redis_server.url)
+    built = Cluster(
+        embedded,
+        broker.bootstrap_servers,
+        topic,
+        client,
+        Keys(name),
+        settings,
+        tmp_path_factory.mktemp("cluster"),
+        {},
+        redis_server,
+    )
+    built.produce(1200, "seed")
+    for node_name in NODE_NAMES:
+        built.start(node_name)
+    try:
+        yield built
+    finally:
+        for node in built.nodes.values():
+            node.process.stop()
+            node.close()
+        client.close()
+        redis_server.process.stop()
+
+
+def test_three_nodes_share_the_partitions_one_active_one_standby_each(cluster):
+    assignment = cluster.wait_settled(set(NODE_NAMES))
+    actives: Counter[str] = Counter()
+    replicas: Counter[str] = Counter()
+    for placed in assignment.stores["customers"].values():
+        assert placed.active is not None
+        assert len(placed.standbys) == 1
+        assert placed.active not in placed.standbys
+        actives[placed.active] += 1
+        replicas.update(placed.replicas())
+    assert sorted(actives.values()) == [2, 2, 2]
+    assert sorted(replicas.values()) == [4, 4, 4]
+
+
+def test_owners_serve_their_keys_and_other_nodes_forward_once(cluster):
+    assignment = cluster.wait_settled(set(NODE_NAMES))
+    for i in range(0, 1200, 97):
+        key = f"seed-{i}"
+        placed = assignment.stores["customers"][partition(key.encode(), PARTITIONS)]
+        owner = cluster.nodes[placed.active].get(f"/stores/customers/keys/{key}")
+        assert owner.status_code == 200
+        assert owner.json()["role"] == "active"
+        assert "x-kroute-forwarded-by" not in owner.headers
+        outsider = next(n for n in NODE_NAMES if n not in placed.replicas())
+        forwarded = cluster.nodes[outsider].get(f"/stores/customers/keys/{key}")
+        assert forwarded.status_code == 200
+        assert forwarded.json() == owner.json()
+        assert forwarded.headers["x-kroute-forwarded-by"] == outsider
+    # A request that was already forwarded is never forwarded again (loop protection).
+    key = "seed-0"
+    placed = assignment.stores["customers"][partition(key.encode(), PARTITIONS)]
+    outsider = next(n for n in NODE_NAMES if n not in placed.replicas())
+    again = cluster.nodes[outsider].client.get(
+        cluster.nodes[outsider].url + f"/stores/customers/keys/{key}",
+        headers={"x-kroute-forwarded-by": "x"},
+    )
+    assert again.status_code == 421
+
+
+def spark_jvm_pid(node: NodeHandle) -> int:
+    """The node's Spark JVM: a child of whichever of its threads started Spark."""
+    children = [
+        child
+        for task in Path(f"/proc/{node.process.pid}/task").iterdir()
+        for child in (task / "children").read_text().split()
+    ]
+    for child in children:
+        if "java" in Path(f"/proc/{child}/cmdline").read_bytes().decode(errors="replace"):
+            return int(child)
+    raise AssertionError(f"no JVM among the children of node {node.process.name}: {children}")
+
+
+def reported_lag(cluster: Cluster, name: str, partitions: list[int]) -> dict[int, int | None]:
+    reports = {}
+    for p in partitions:
+        raw = cluster.redis.hget(cluster.keys.lag(name), lag_field("customers", p))
+        reports[p] = decode_report(raw).lag if raw else None
+    return reports
+
+
+def test_reported_lag_grows_with_a_paused_consumer_and_returns_to_zero(cluster):
+    assignment = cluster.wait_settled(set(NODE_NAMES))
+    mine = assignment.for_node("a")["customers"]
+    hosted = sorted(mine["active"] + mine["standby"])
+    jvm = spark_jvm_pid(cluster.nodes["a"])
+    os_kill = __import__("os").kill
+    os_kill(jvm, signal.SIGSTOP)  # Spark stops; the node's Python side keeps reporting
+    try:
+        produced = cluster.produce(600, "paused")
+        expected = {p: produced[p] for p in hosted}
+        deadline = time.monotonic() + 30
+        while reported_lag(cluster, "a", hosted) != expected and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert reported_lag(cluster, "a", hosted) == expected
+    finally:
+        os_kill(jvm, signal.SIGCONT)
+    deadline = time.monotonic() + 60
+    while set(reported_lag(cluster, "a", hosted).values()) != {0} and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert set(reported_lag(cluster, "a", hosted).values()) == {0}
+
+
+def test_the_killed_leader_is_known_dead_within_seconds_and_its_standbys_serve(cluster):
+    before = cluster.wait_settled(cluster.alive)
+    leader = cluster.redis.get(cluster.keys.leader)
+    assert leader is not None
+    cluster.dead = leader.decode()  # kill the leader: leadership must move too
+    cluster.nodes[cluster.dead].process.signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    while (
+        cluster.redis.exists(cluster.keys.alive(cluster.dead)) and time.monotonic() - killed_at < 10
+    ):
+        time.sleep(0.05)
+    detected_after = time.monotonic() - killed_at
+    assert detected_after < 2.5, f"dead node noticed after {detected_after:.1f}s"
+    # Within the grace period nothing moves, and the standbys answer for its partitions.
+    assert cluster.assignment().stores == before.stores
+    for p, placed in before.stores["customers"].items():
+        if placed.active != cluster.dead:
+            continue
+        key = next(
+            f"seed-{i}" for i in range(1200) if partition(f"seed-{i}".encode(), PARTITIONS) == p
+        )
+        response = cluster.nodes[placed.standbys[0]].get(f"/stores/customers/keys/{key}")
+        assert response.status_code == 200
+        assert response.json()["role"] == "standby"
+    cluster.nodes.pop(cluster.dead).close()
+    deadline = time.monotonic() + 10
+    while cluster.redis.get(cluster.keys.leader) in (None, leader) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert cluster.redis.get(cluster.keys.leader).decode() in cluster.alive, (
+        "a new leader took over"
+    )
+
+
+def test_after_the_grace_period_the_dead_nodes_partitions_move_to_its_standbys(cluster):
+    before = cluster.assignment()
+    after = cluster.wait_settled(cluster.alive, timeout_s=GRACE_S + 120)
+    assert after.leader in cluster.alive
+    for p, placed in after.stores["customers"].items():
+        assert cluster.dead not in placed.replicas()
+        assert len(placed.standbys) == 1
+        was = before.stores["customers"][p]
+        if was.active == cluster.dead:
+            assert placed.active == was.standbys[0], "the standby was promoted"
+
+
+def test_a_node_restarted_within_its_grace_period_gets_its_partitions_back(cluster):
+    before = cluster.wait_settled(cluster.alive)
+    name = max(cluster.alive)
+    mine = before.for_node(name)["customers"]
+    hosted = sorted(mine["active"] + mine["standby"])
+    cluster.nodes[name].process.signal(signal.SIGKILL)
+    cluster.nodes[name].process.popen.wait(timeout=30)
+    cluster.nodes.pop(name).close()
+    produced = cluster.produce(400, "while-down")
+    restarted = cluster.start(name)
+    after = cluster.wait_settled(cluster.alive)
+    assert after.stores == before.stores, "nothing moved while it was away"
+    ingest = restarted.metadata()["ingest"]
+    assert ingest["records"] == sum(produced[p] for p in hosted), "re-read only what it missed"
+
+
+def test_an_emptied_redis_is_refilled_and_the_assignment_survives(cluster):
+    before = cluster.wait_settled(cluster.alive)
+    port = cluster.redis_server.port
+    cluster.redis_server.process.stop()
+    time.sleep(1.0)
+    # Meanwhile the nodes keep serving what they have.
+    for name in cluster.alive:
+        assert cluster.nodes[name].get("/health/live").status_code == 200
+    cluster.redis_server = cluster.services.start_redis(port=port)  # restarted, empty
+    after = cluster.wait_settled(cluster.alive)
+
+    def holders(assignment: Assignment) -> dict[int, set[str]]:
+        return {p: set(placed.replicas()) for p, placed in assignment.stores["customers"].items()}
+
+    # The leader kept the last assignment in memory: no replica moved (roles may be rebalanced
+    # between the same two nodes, which needs no restore), and generations only go forward.
+    assert holders(after) == holders(before)
+    assert after.generation >= before.generation
