@@ -148,8 +148,7 @@ class Hosting:
     node_id: str
     generation: int
     stores: Mapping[str, Mapping[Role, tuple[int, ...]]]
-    updated_at_ms: int
-    stale: bool = False  # the node could not reach Redis for a while; true once it reconnects
+    updated_at_ms: int  # a node cut off from Redis cannot write: readers judge age by this
 
 
 @dataclass(frozen=True)

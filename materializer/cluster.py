@@ -131,7 +131,8 @@ class ClusterMember:
         hosting = self.hosting()
         reports = {lag_field(self.store.name, p): encode(r) for p, r in self.reports().items()}
         # What it serves, not when it said so: an event only when that changes.
-        serving = (hosting.generation, hosting.stale, sorted(hosting.stores.items()))
+        serving = (hosting.generation, sorted(hosting.stores.items()))
+
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.set(self.keys.hosting(self.node.node_id), encode(hosting))
             if reports:

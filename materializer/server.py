@@ -213,6 +213,8 @@ class NodeApp:
             "num_partitions": state.partitioner.num_partitions if state.partitioner else None,
             "partitions": partitions,
             "catching_up": [p["partition"] for p in partitions if not p.get("caught_up")],
+            # No longer assigned, still on disk for the grace period in case they come back.
+            "kept_for_grace": sorted(state.store.partitions() - set(state.hosted)),
             "broker_error": state.lag.broker_error,
             "ingest": ingest,
             "pipeline": state.pipeline_status(),

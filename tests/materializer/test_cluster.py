@@ -185,6 +185,14 @@ def test_three_nodes_share_the_partitions_one_active_one_standby_each(cluster):
         replicas.update(placed.replicas())
     assert sorted(actives.values()) == [2, 2, 2]
     assert sorted(replicas.values()) == [4, 4, 4]
+    # Partitions a node gave up while the others joined leave its disk after the grace period.
+    deadline = time.monotonic() + GRACE_S + 10
+    while time.monotonic() < deadline:
+        kept = {n: cluster.nodes[n].metadata()["kept_for_grace"] for n in NODE_NAMES}
+        if not any(kept.values()):
+            break
+        time.sleep(0.5)
+    assert not any(kept.values()), kept
 
 
 def test_owners_serve_their_keys_and_other_nodes_forward_once(cluster):
