@@ -116,6 +116,8 @@ class ClusterMember:
                     log.warning("redis unreachable; serving on, heartbeat lapsing", error=str(exc))
                 self.redis_ok = False
                 self.is_leader = False
+            except Exception:  # one bad step (a malformed value, say) must not end the loop
+                log.exception("cluster step failed; retrying", step=getattr(step, "__name__", "?"))
             await asyncio.sleep(interval_ms / 1000)
 
     async def heartbeat(self) -> None:
