@@ -1,0 +1,164 @@
+"""Which replica answers a key's partition: a pure function, no I/O and no await.
+
+Given the partition's replicas as the routing snapshot saw them, the caller's lag budget, the
+nodes the proxy has ejected after failures and the current time, `choose_replicas` returns the
+candidates in the order to try, and for every replica it will not try, why.
+
+Order: the active when it qualifies, then qualifying standbys by least offset lag, least time
+lag, node id. With `spread`, qualifying replicas are rotated by a caller-supplied counter so
+reads are shared among them (they are all within the budget the caller accepted).
+
+Unknown lag (no report, or a report older than `stale_after_ms`) is governed by an explicit
+policy: `reject` (the default) treats it as beyond any finite budget, because a read that is
+silently stale is worse than a clear 503; `accept` trusts such a replica. A replica is never
+refused for lag when the budget is unlimited.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+UnknownLagPolicy = Literal["reject", "accept"]
+Role = Literal["active", "standby"]
+
+
+@dataclass(frozen=True, slots=True)
+class LagBudget:
+    """How far behind an answer may be: offsets and milliseconds; None is unlimited."""
+
+    max_offsets: int | None = None
+    max_ms: int | None = None
+
+    @property
+    def unlimited(self) -> bool:
+        return self.max_offsets is None and self.max_ms is None
+
+    def tightened(self, other: LagBudget) -> LagBudget:
+        """The stricter of the two in each dimension (a request header can only tighten)."""
+        return LagBudget(
+            _stricter(self.max_offsets, other.max_offsets), _stricter(self.max_ms, other.max_ms)
+        )
+
+
+def _stricter(a: int | None, b: int | None) -> int | None:
+    if a is None:
+        return b
+    return a if b is None else min(a, b)
+
+
+@dataclass(frozen=True, slots=True)
+class Replica:
+    node_id: str
+    url: str
+    role: Role
+    alive: bool
+    lag: int | None  # offsets behind the high watermark; None when no report
+    caught_up_at_ms: int | None  # last time seen with lag 0
+    reported_at_ms: int | None
+
+    def time_lag_ms(self, now_ms: int) -> int | None:
+        """Upper bound on staleness: 0 when caught up, else time since last caught up."""
+        if self.lag == 0:
+            return 0
+        return None if self.caught_up_at_ms is None else max(now_ms - self.caught_up_at_ms, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    node_id: str
+    role: Role
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    candidates: tuple[Replica, ...]
+    rejected: tuple[Rejection, ...]
+
+
+def choose_replicas(
+    replicas: tuple[Replica, ...],
+    budget: LagBudget,
+    *,
+    now_ms: int,
+    ejected: frozenset[str] = frozenset(),
+    unknown_lag: UnknownLagPolicy = "reject",
+    stale_after_ms: int = 3_000,
+    spread: bool = False,
+    counter: int = 0,
+) -> Choice:
+    eligible: list[tuple[tuple[int, int, int, str], Replica]] = []
+    rejected: list[Rejection] = []
+    for replica in replicas:
+        reason = _why_not(
+            replica,
+            budget,
+            now_ms,
+            ejected=ejected,
+            unknown_lag=unknown_lag,
+            stale_after_ms=stale_after_ms,
+        )
+        if reason is not None:
+            rejected.append(Rejection(replica.node_id, replica.role, reason))
+            continue
+        fresh = _fresh(replica, now_ms, stale_after_ms)
+        lag = replica.lag if fresh and replica.lag is not None else 2**62
+        time_lag = replica.time_lag_ms(now_ms) if fresh else None
+        order = (
+            0 if replica.role == "active" else 1,
+            lag,
+            2**62 if time_lag is None else time_lag,
+            replica.node_id,
+        )
+        eligible.append((order, replica))
+    eligible.sort(key=lambda entry: entry[0])
+    candidates = [replica for _, replica in eligible]
+    if spread and len(candidates) > 1:
+        shift = counter % len(candidates)
+        candidates = candidates[shift:] + candidates[:shift]
+    return Choice(tuple(candidates), tuple(rejected))
+
+
+def _fresh(replica: Replica, now_ms: int, stale_after_ms: int) -> bool:
+    return replica.reported_at_ms is not None and now_ms - replica.reported_at_ms <= stale_after_ms
+
+
+def _why_not(
+    replica: Replica,
+    budget: LagBudget,
+    now_ms: int,
+    *,
+    ejected: frozenset[str],
+    unknown_lag: UnknownLagPolicy,
+    stale_after_ms: int,
+) -> str | None:
+    if not replica.alive:
+        return "dead"
+    if replica.node_id in ejected:
+        return "ejected after failed requests"
+    if budget.unlimited:
+        return None
+    fresh = _fresh(replica, now_ms, stale_after_ms)
+    checks = (
+        (
+            budget.max_offsets,
+            replica.lag if fresh else None,
+            "lag {} over budget {}",
+            "unknown lag",
+        ),
+        (
+            budget.max_ms,
+            replica.time_lag_ms(now_ms) if fresh else None,
+            "time lag {} ms over budget {} ms",
+            "unknown time lag",
+        ),
+    )
+    for limit, value, over_budget, unknown in checks:
+        if limit is None:
+            continue
+        if value is None and unknown_lag == "reject":
+            return unknown if fresh or replica.reported_at_ms is None else "lag report too old"
+        if value is not None and value > limit:
+            return over_budget.format(value, limit)
+    return None

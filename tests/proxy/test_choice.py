@@ -1,0 +1,148 @@
+"""Replica choice: property tests of the pure function the proxy asks on every request."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proxy.choice import LagBudget, Replica, choose_replicas
+
+NOW = 1_000_000
+
+offsets = st.one_of(st.none(), st.integers(0, 10_000))
+millis = st.one_of(st.none(), st.integers(0, 60_000))
+
+
+@st.composite
+def replica_sets(draw):
+    count = draw(st.integers(1, 5))
+    replicas = []
+    for i in range(count):
+        lag = draw(offsets)
+        caught_up_ago = draw(millis)
+        reported_ago = draw(st.one_of(st.none(), st.integers(0, 10_000)))
+        replicas.append(
+            Replica(
+                node_id=f"n{i}",
+                url=f"http://127.0.0.1:{8000 + i}",
+                role="active" if i == 0 else "standby",
+                alive=draw(st.booleans()),
+                lag=lag,
+                caught_up_at_ms=None if caught_up_ago is None else NOW - caught_up_ago,
+                reported_at_ms=None if reported_ago is None else NOW - reported_ago,
+            )
+        )
+    return tuple(replicas)
+
+
+budgets = st.builds(LagBudget, offsets, millis)
+ejections = st.frozensets(st.sampled_from([f"n{i}" for i in range(5)]), max_size=2)
+
+
+def fresh(replica: Replica) -> bool:
+    return replica.reported_at_ms is not None and NOW - replica.reported_at_ms <= 3_000
+
+
+@settings(max_examples=1000)
+@given(replica_sets(), budgets, ejections)
+def test_never_a_dead_ejected_or_over_budget_replica(replicas, budget, ejected):
+    choice = choose_replicas(replicas, budget, now_ms=NOW, ejected=ejected)
+    for replica in choice.candidates:
+        assert replica.alive
+        assert replica.node_id not in ejected
+        if budget.max_offsets is not None:
+            assert fresh(replica)
+            assert replica.lag is not None
+            assert replica.lag <= budget.max_offsets
+        if budget.max_ms is not None:
+            assert fresh(replica)
+            time_lag = replica.time_lag_ms(NOW)
+            assert time_lag is not None
+            assert time_lag <= budget.max_ms
+
+
+@settings(max_examples=500)
+@given(replica_sets(), budgets, ejections)
+def test_every_replica_is_either_a_candidate_or_rejected_with_a_reason(replicas, budget, ejected):
+    choice = choose_replicas(replicas, budget, now_ms=NOW, ejected=ejected)
+    candidates = {r.node_id for r in choice.candidates}
+    rejected = {r.node_id for r in choice.rejected}
+    assert candidates | rejected == {r.node_id for r in replicas}
+    assert not candidates & rejected
+    assert all(r.reason for r in choice.rejected)
+
+
+@settings(max_examples=500)
+@given(replica_sets(), budgets)
+def test_the_active_comes_first_then_standbys_by_least_lag(replicas, budget):
+    choice = choose_replicas(replicas, budget, now_ms=NOW)
+    roles = [r.role for r in choice.candidates]
+    assert roles == sorted(roles, key=lambda role: role != "active")
+    standby_lags = [
+        (r.lag if fresh(r) and r.lag is not None else 2**62)
+        for r in choice.candidates
+        if r.role == "standby"
+    ]
+    assert standby_lags == sorted(standby_lags)
+
+
+@settings(max_examples=300)
+@given(replica_sets(), ejections)
+def test_an_unlimited_budget_refuses_only_dead_and_ejected_nodes(replicas, ejected):
+    choice = choose_replicas(replicas, LagBudget(), now_ms=NOW, ejected=ejected)
+    assert {r.node_id for r in choice.candidates} == {
+        r.node_id for r in replicas if r.alive and r.node_id not in ejected
+    }
+
+
+@settings(max_examples=300)
+@given(replica_sets(), budgets, st.integers(0, 100))
+def test_spreading_rotates_the_same_candidates(replicas, budget, counter):
+    ordered = choose_replicas(replicas, budget, now_ms=NOW)
+    spread = choose_replicas(replicas, budget, now_ms=NOW, spread=True, counter=counter)
+    assert sorted(spread.candidates, key=lambda r: r.node_id) == sorted(
+        ordered.candidates, key=lambda r: r.node_id
+    )
+
+
+def replica(node_id, *, role="standby", lag=0, caught_up_ago=0, reported_ago=0, alive=True):
+    return Replica(
+        node_id, f"http://{node_id}", role, alive, lag, NOW - caught_up_ago, NOW - reported_ago
+    )
+
+
+def test_reasons_say_what_was_wrong():
+    replicas = (
+        replica("a", role="active", alive=False),
+        replica("b", lag=500, caught_up_ago=9_000),
+        replica("c", lag=None),
+        replica("d", lag=0, reported_ago=60_000),
+        replica("e", lag=3, caught_up_ago=20_000),
+    )
+    choice = choose_replicas(
+        replicas, LagBudget(max_offsets=100, max_ms=10_000), now_ms=NOW, ejected=frozenset()
+    )
+    assert choice.candidates == ()
+    assert {r.node_id: r.reason for r in choice.rejected} == {
+        "a": "dead",
+        "b": "lag 500 over budget 100",
+        "c": "unknown lag",
+        "d": "lag report too old",
+        "e": "time lag 20000 ms over budget 10000 ms",
+    }
+
+
+def test_unknown_lag_can_be_accepted_explicitly():
+    replicas = (replica("a", role="active", lag=None),)
+    budget = LagBudget(max_offsets=10)
+    assert choose_replicas(replicas, budget, now_ms=NOW).candidates == ()
+    assert (
+        choose_replicas(replicas, budget, now_ms=NOW, unknown_lag="accept").candidates == replicas
+    )
+
+
+def test_a_request_can_only_tighten_the_budget():
+    configured = LagBudget(max_offsets=100, max_ms=None)
+    assert configured.tightened(LagBudget(max_offsets=1000, max_ms=500)) == LagBudget(100, 500)
+    assert configured.tightened(LagBudget()) == configured
+    assert LagBudget().unlimited
