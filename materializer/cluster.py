@@ -194,12 +194,25 @@ class ClusterMember:
     async def _cluster_state(
         self,
     ) -> tuple[dict[str, Member], dict[str, int], dict[tuple[str, int, str], int | None]]:
-        node_ids = sorted(_text(n) for n in await self.redis.smembers(self.keys.nodes))
+        # Never know less than the last assignment: a Redis that lost its data (restarted
+        # empty) must not make the leader drop stores and nodes before they register again.
+        # Nodes it held count as members (dead until their heartbeat returns: grace applies).
+        previous = self.assignment
+        placements = (
+            [p for parts in previous.stores.values() for p in parts.values()] if previous else []
+        )
+        remembered_nodes = {node for placed in placements for node in placed.replicas()}
+
+        registered = {_text(n) for n in await self.redis.smembers(self.keys.nodes)}
+        node_ids = sorted(registered | remembered_nodes)
         store_names = sorted(_text(s) for s in await self.redis.smembers(self.keys.stores))
         alive_flags = (
             await self.redis.mget([self.keys.alive(n) for n in node_ids]) if node_ids else []
         )
-        stores: dict[str, int] = {}
+        stores: dict[str, int] = {
+            name: len(parts) for name, parts in (previous.stores.items() if previous else ())
+        }
+
         for name, raw in zip(
             store_names,
             await self.redis.mget([self.keys.store(s) for s in store_names]) if store_names else [],
