@@ -93,7 +93,6 @@ class Node:
             node_id=settings.node_id,
             store_name=settings.store_name,
             topic=settings.topic,
-            key_format=settings.key_format,
             value_format=settings.value_format,
             role=settings.role,
             store=self.store,

@@ -26,7 +26,7 @@ from materializer.forwarding import FORWARDED_BY, Forwarder
 from materializer.lag import LagTracker, now_ms
 from materializer.sink import IngestStats
 from materializer.store import Store
-from partitioner import KeyFormatError, KeyPartitioner, serialize_key
+from partitioner import KeyFormatError, KeyPartitioner
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -42,7 +42,6 @@ class NodeState:
     node_id: str
     store_name: str
     topic: str
-    key_format: str
     value_format: str
     role: str
     store: Store
@@ -120,8 +119,9 @@ class NodeApp:
             )
             return
         try:
-            key = serialize_key(key_text, state.key_format)
-            partition = state.partitioner.partition_of(key_text)
+            key = state.partitioner.serialize(key_text)
+            partition = state.partitioner.partition_of_bytes(key)
+
         except KeyFormatError as exc:
             await _respond(
                 send,

@@ -81,7 +81,14 @@ class KeyPartitioner:
     more than the hash). Invalid keys raise KeyFormatError every time; they are never cached.
     """
 
-    __slots__ = ("algorithm", "key_format", "num_partitions", "partition_of")
+    __slots__ = (
+        "algorithm",
+        "key_format",
+        "num_partitions",
+        "partition_of",
+        "partition_of_bytes",
+        "serialize",
+    )
 
     def __init__(
         self,
@@ -97,9 +104,16 @@ class KeyPartitioner:
         def compute(text: str) -> int:
             return hash_of(serialize(text)) % count
 
+        def compute_from_bytes(key: bytes) -> int:
+            return hash_of(key) % count
+
         self.key_format = key_format
         self.algorithm = algorithm
         self.num_partitions = count
+        # For callers that need the key's bytes too (a store lookup): serialize once, then hash.
+        self.serialize: Callable[[str], bytes] = serialize
+        self.partition_of_bytes: Callable[[bytes], int] = compute_from_bytes
+
         self.partition_of: Callable[[str], int] = (
             functools.lru_cache(maxsize=cache_size)(compute) if cache_size > 0 else compute
         )

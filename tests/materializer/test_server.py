@@ -42,7 +42,6 @@ def node_state(tmp_path):
         node_id="node-a",
         store_name="customers",
         topic="bookings",
-        key_format="string",
         value_format="json",
         role="active",
         store=store,
@@ -112,7 +111,6 @@ def test_unknown_store_is_404(node_state):
 
 
 def test_malformed_key_is_400_saying_why(node_state):
-    node_state.key_format = "int64"
     node_state.partitioner = KeyPartitioner("int64", "murmur2", NUM_PARTITIONS)
     response = get(node_state, "/stores/customers/keys/forty-two")
     assert response.status_code == 400

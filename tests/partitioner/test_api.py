@@ -79,7 +79,15 @@ def test_key_partitioner_serializes_then_hashes():
     )
 
 
+def test_key_partitioner_serializes_once_for_callers_that_need_the_bytes():
+    router = KeyPartitioner("int32", "crc32", 7)
+    key = router.serialize("42")
+    assert key == (42).to_bytes(4, "big")
+    assert router.partition_of_bytes(key) == router.partition_of("42") == partition(key, 7, "crc32")
+
+
 def test_key_partitioner_raises_for_bad_keys_every_time():
+
     router = KeyPartitioner("int32", "murmur2", 12)
     for _ in range(2):  # an error is never cached as an answer
         with pytest.raises(KeyFormatError, match="decimal integer"):
