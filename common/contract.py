@@ -20,12 +20,13 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 SCHEMA_VERSION = 1
 DEFAULT_CLUSTER = "default"
 
 Role = Literal["active", "standby"]
+T = TypeVar("T")
 
 
 class ContractError(ValueError):
@@ -78,9 +79,6 @@ class Keys:
     @property
     def events(self) -> str:
         return f"{self.prefix}events"
-
-    def node_pattern(self) -> str:
-        return f"{self.prefix}node:*"
 
     def node_id_of(self, key: str | bytes) -> str:
         text = key.decode() if isinstance(key, bytes) else key
@@ -219,7 +217,7 @@ def _load(raw: bytes | str) -> dict[str, Any]:
     return body
 
 
-def _build(kind: type[Any], body: dict[str, Any]) -> Any:
+def _build(kind: type[T], body: dict[str, Any]) -> T:
     try:
         return kind(**body)
     except TypeError as exc:
@@ -227,19 +225,19 @@ def _build(kind: type[Any], body: dict[str, Any]) -> Any:
 
 
 def decode_node(raw: bytes | str) -> NodeInfo:
-    return _build(NodeInfo, _load(raw))  # type: ignore[no-any-return]
+    return _build(NodeInfo, _load(raw))
 
 
 def decode_store(raw: bytes | str) -> StoreInfo:
-    return _build(StoreInfo, _load(raw))  # type: ignore[no-any-return]
+    return _build(StoreInfo, _load(raw))
 
 
 def decode_report(raw: bytes | str) -> PartitionReport:
-    return _build(PartitionReport, _load(raw))  # type: ignore[no-any-return]
+    return _build(PartitionReport, _load(raw))
 
 
 def decode_event(raw: bytes | str) -> Event:
-    return _build(Event, _load(raw))  # type: ignore[no-any-return]
+    return _build(Event, _load(raw))
 
 
 def decode_hosting(raw: bytes | str) -> Hosting:
@@ -251,7 +249,7 @@ def decode_hosting(raw: bytes | str) -> Hosting:
         }
     except (KeyError, AttributeError) as exc:
         raise ContractError(f"not a Hosting: {exc}") from exc
-    return _build(Hosting, body)  # type: ignore[no-any-return]
+    return _build(Hosting, body)
 
 
 def decode_assignment(raw: bytes | str) -> Assignment:
@@ -266,4 +264,4 @@ def decode_assignment(raw: bytes | str) -> Assignment:
         }
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ContractError(f"not an Assignment: {exc}") from exc
-    return _build(Assignment, {**body, "stores": stores})  # type: ignore[no-any-return]
+    return _build(Assignment, {**body, "stores": stores})

@@ -16,13 +16,13 @@ and the leader treat it as dead meanwhile) and every loop retries on its own sch
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 import structlog
 
+from common.clock import now_ms
 from common.contract import (
     Assignment,
     ContractError,
@@ -58,10 +58,6 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
 end
 return 0
 """
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 @dataclass(frozen=True)

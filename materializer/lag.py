@@ -11,21 +11,17 @@ partition was seen caught up (offset lag 0) has been applied, so a value served 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import structlog
 from aiokafka.client import AIOKafkaClient
 
+from common.clock import now_ms
 from materializer.kafka_offsets import fetch_high_watermarks
 from materializer.store import Store
 
 log = structlog.get_logger("kroute.materializer.lag")
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 @dataclass(frozen=True, slots=True)

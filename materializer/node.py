@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import signal
 import socket
-import time
 from collections.abc import Coroutine, Iterator
 from typing import Any
 
@@ -21,6 +20,7 @@ import structlog
 import uvicorn
 from aiokafka.client import AIOKafkaClient
 
+from common.clock import now_ms
 from common.contract import Assignment, Hosting, Keys, NodeInfo, PartitionReport, StoreInfo
 from common.java import JavaRuntime
 from materializer.cluster import ClusterMember, ClusterTiming
@@ -275,7 +275,7 @@ class Node:
         self.cluster = ClusterMember(
             redis=redis,
             keys=Keys(settings.cluster),
-            node=NodeInfo(settings.node_id, self.advertised_url, int(time.time() * 1000)),
+            node=NodeInfo(settings.node_id, self.advertised_url, now_ms()),
             store=StoreInfo(
                 settings.store_name,
                 settings.topic,
@@ -335,11 +335,11 @@ class Node:
                     "standby": tuple(p for p in self.state.hosted if roles.get(p) == "standby"),
                 }
             },
-            updated_at_ms=int(time.time() * 1000),
+            updated_at_ms=now_ms(),
         )
 
     def _reports(self) -> dict[int, PartitionReport]:
-        at = int(time.time() * 1000)
+        at = now_ms()
         return {
             partition: PartitionReport(
                 current_offset=lag.current_offset,

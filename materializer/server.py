@@ -22,8 +22,9 @@ from urllib.parse import unquote
 
 import httpx
 
+from common.clock import now_ms
 from materializer.forwarding import FORWARDED_BY, Forwarder
-from materializer.lag import LagTracker, now_ms
+from materializer.lag import LagTracker
 from materializer.sink import IngestStats
 from materializer.store import Store
 from partitioner import KeyFormatError, KeyPartitioner

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import struct
 import threading
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from rocksdict import ColumnFamily, Options, Rdict, WriteBatch
 
+from common.clock import now_ms
 from materializer.errors import StoreError
 
 _VALUE_HEADER = struct.Struct(">qq")  # record offset, record timestamp (ms)
@@ -226,7 +226,7 @@ class Store:
                 written += 1
 
             newest = _newer(current.newest_record_ms if current else None, newest_record_ms)
-            checkpoint = Checkpoint(next_offset, newest, int(time.time() * 1000))
+            checkpoint = Checkpoint(next_offset, newest, now_ms())
             batch.put(
                 str(partition).encode(),
                 _CHECKPOINT.pack(
