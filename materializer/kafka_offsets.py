@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -35,6 +36,15 @@ _READ_UNCOMMITTED = 0
 # we discard; we only want the response header's high watermark.
 _PARTITION_MAX_BYTES = 1
 _FETCH_MAX_WAIT_MS = 10
+# Fetch errors after which a partition's leader must be looked up again: UNKNOWN_TOPIC_OR_PARTITION,
+# NOT_LEADER_OR_FOLLOWER, FENCED_LEADER_EPOCH, UNKNOWN_LEADER_EPOCH.
+_STALE_LEADER_ERRORS = frozenset({3, 6, 74, 75})
+
+# Partition leaders per client and topic. Spark asks for end offsets every ~10 ms while idle;
+# asking the broker for metadata each time as well would double the round trips.
+_LEADERS: weakref.WeakKeyDictionary[AIOKafkaClient, dict[str, dict[int, int]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 async def fetch_high_watermarks(
@@ -91,6 +101,8 @@ async def _fetch_once(
                 found[partition] = entry["highwater_offset"]
             elif error_code == _OFFSET_OUT_OF_RANGE:
                 out_of_range.append(partition)
+            elif error_code in _STALE_LEADER_ERRORS:
+                _LEADERS.get(client, {}).pop(topic, None)  # look up again on the next round
             elif error_code != _NO_ERROR:
                 raise EndOffsetsError(topic, [partition], f"Fetch error code {error_code}")
     return out_of_range
@@ -118,17 +130,33 @@ async def _earliest_offsets(
 async def _by_leader(
     client: AIOKafkaClient, topic: str, partitions: list[int]
 ) -> dict[int, list[int]]:
+    leaders = _LEADERS.get(client, {}).get(topic, {})
+    if any(p not in leaders for p in partitions):
+        leaders = await _current_leaders(client, topic, partitions)
+        _LEADERS.setdefault(client, {})[topic] = leaders
+    by_leader: dict[int, list[int]] = defaultdict(list)
+    for partition in partitions:
+        by_leader[leaders[partition]].append(partition)
+    return by_leader
+
+
+async def _current_leaders(
+    client: AIOKafkaClient, topic: str, partitions: list[int]
+) -> dict[int, int]:
+    """partition -> leader node for every partition of the topic, from fresh metadata."""
     metadata = await client.fetch_all_metadata()
     known = metadata.partitions_for_topic(topic)
     if known is None:
         raise EndOffsetsError(topic, partitions, "topic does not exist")
-    by_leader: dict[int, list[int]] = defaultdict(list)
-    for partition in partitions:
+    leaders: dict[int, int] = {}
+    for partition in known:
         leader = metadata.leader_for_partition(TopicPartition(topic, partition))
-        if partition not in known or leader is None or leader < 0:
+        if leader is not None and leader >= 0:
+            leaders[partition] = leader
+    for partition in partitions:
+        if partition not in leaders:
             raise EndOffsetsError(topic, [partition], "partition has no leader")
-        by_leader[leader].append(partition)
-    return by_leader
+    return leaders
 
 
 def _partition_entries(response: Any, topic: str) -> list[dict[str, Any]]:
