@@ -1,4 +1,4 @@
-"""Small Kafka chores for tests: create topics, read every record of a topic back."""
+"""Read every record of a topic back, as the broker stored it (tests only)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from dataclasses import dataclass
 
 from confluent_kafka import Consumer, TopicPartition
 
-from kroute.topics import create_topics  # noqa: F401 - re-exported for the tests
 from materializer.kafka_offsets import end_offsets
 
 

@@ -11,9 +11,10 @@ import asyncio
 import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 
+from kroute.topics import create_topics
 from materializer.errors import EndOffsetsError
 from materializer.kafka_offsets import end_offsets
-from tests.kafka_helpers import create_topics, read_topic
+from tests.kafka_helpers import read_topic
 
 pytestmark = pytest.mark.integration
 

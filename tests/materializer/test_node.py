@@ -12,9 +12,9 @@ import pytest
 
 from kroute.embedded import free_port
 from kroute.nodes import start_node
+from kroute.topics import create_topics
 from materializer.kafka_offsets import end_offsets
 from materializer.store import Store
-from tests.kafka_helpers import create_topics
 from tests.materializer.node_helpers import assert_serves_truth, ground_truth, produce_customers
 
 pytestmark = pytest.mark.integration

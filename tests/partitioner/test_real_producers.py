@@ -17,8 +17,9 @@ from aiokafka import AIOKafkaProducer
 from confluent_kafka import Producer
 from kafka import KafkaProducer
 
+from kroute.topics import create_topics
 from partitioner import partition
-from tests.kafka_helpers import create_topics, read_topic
+from tests.kafka_helpers import read_topic
 from tests.partitioner.independent import four_byte_key_with_murmur2
 
 pytestmark = pytest.mark.integration
