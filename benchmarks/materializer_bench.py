@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -33,6 +31,7 @@ from typing import Any
 import httpx
 from confluent_kafka import Producer
 
+from benchmarks import wrk
 from benchmarks.results_file import git_revision, machine_notes, write_json, write_section
 from kroute.embedded import EmbeddedServices
 from kroute.nodes import NodeHandle, start_node
@@ -41,12 +40,6 @@ from materializer.kafka_offsets import end_offsets
 
 PARTITIONS = 6
 KEYS = 50_000
-WRK_SCRIPT = """
-math.randomseed(os.time())
-request = function()
-  return wrk.format("GET", "/stores/customers/keys/customer-" .. math.random(0, %d))
-end
-"""
 
 
 def produce(bootstrap: str, topic: str, count: int, start: int = 0) -> float:
@@ -89,30 +82,7 @@ def measure_ingest(
 
 
 def run_wrk(url: str, seconds: int, connections: int = 8) -> dict[str, float]:
-    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
-        script.write(WRK_SCRIPT % (KEYS - 1))
-    completed = subprocess.run(
-        ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--latency", "-s", script.name, url],
-        capture_output=True, text=True, timeout=seconds + 30, check=True,
-    )  # fmt: skip
-    Path(script.name).unlink()
-    return parse_wrk(completed.stdout)
-
-
-def parse_wrk(output: str) -> dict[str, float]:
-    def ms(text: str) -> float:
-        number, unit = re.fullmatch(r"([\d.]+)(us|ms|s)", text).groups()  # type: ignore[union-attr]
-        return float(number) * {"us": 0.001, "ms": 1.0, "s": 1000.0}[unit]
-
-    percentiles = dict(re.findall(r"^\s+(50|75|90|99)%\s+(\S+)", output, flags=re.MULTILINE))
-    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", output).group(1))  # type: ignore[union-attr]
-    errors = re.search(r"Non-2xx or 3xx responses: (\d+)", output)
-    return {
-        "rps": round(rps),
-        "p50_ms": round(ms(percentiles["50"]), 3),
-        "p99_ms": round(ms(percentiles["99"]), 3),
-        "non_2xx": int(errors.group(1)) if errors else 0,
-    }
+    return wrk.run_wrk(url, seconds, connections=connections, keys=KEYS)
 
 
 def lookups_while_ingesting(

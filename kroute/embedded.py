@@ -207,6 +207,17 @@ class EmbeddedServices:
                 raise
         return process
 
+    def await_ready(
+        self, process: ManagedProcess, ready: Callable[[], bool], timeout_s: float | None = None
+    ) -> None:
+        """Wait until `ready()` (the process must keep running); stop it if it never is."""
+        try:
+            self._await_ready(process, 0, lambda _port: ready(), timeout_s)
+        except ServiceStartError:
+            process.stop()
+            self.processes.remove(process)
+            raise
+
     def stop(self) -> None:
         """Stop every process this launcher started, newest first, by PID."""
         while self.processes:

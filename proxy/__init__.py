@@ -1,6 +1,9 @@
-"""The proxy: key -> partition -> replica -> forward (issue #5).
+"""The proxy: key -> partition -> replica -> forward (`python -m proxy`).
 
-In place so far, the pure core: `routing` (the immutable snapshot built from the Redis contract)
-and `choice` (which replica answers, within a lag budget, and why the others do not). The
-listener, the Redis watcher and the pooled forwarder come next.
+Modules, in the direction data flows: `settings` (KROUTE_* variables), `watcher` (Redis ->
+`routing.build_snapshot`, the immutable table), `listener` (client connections, limits),
+`routes` (which request is keyed, and by what), `handler` (route, partition, `choice`),
+`exchange` (send, fail over within `retry_budget`, answer), `upstream` (pooled keep-alive
+connections to nodes), `health` (ejections and probes), `metrics`, `status` and `admin` (the
+admin listener), `main` (the composition root).
 """

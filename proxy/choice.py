@@ -162,3 +162,27 @@ def _why_not(
         if value is not None and value > limit:
             return over_budget.format(value, limit)
     return None
+
+
+def choice_expires_at(
+    replicas: tuple[Replica, ...],
+    budget: LagBudget,
+    *,
+    now_ms: int,
+    stale_after_ms: int = 3_000,
+) -> int:
+    """The first moment the same inputs could give a different choice, as time alone passes.
+
+    Only two things change with time: a report grows older than `stale_after_ms`, and a
+    lagging replica's time lag grows past `budget.max_ms`. Until the earliest of those, a
+    choice computed now stays exact and can be reused.
+    """
+    horizon = now_ms + 60_000
+    for replica in replicas:
+        if replica.reported_at_ms is not None and _fresh(replica, now_ms, stale_after_ms):
+            horizon = min(horizon, replica.reported_at_ms + stale_after_ms + 1)
+        if budget.max_ms is not None and replica.lag != 0 and replica.caught_up_at_ms is not None:
+            crossing = replica.caught_up_at_ms + budget.max_ms + 1
+            if crossing > now_ms:
+                horizon = min(horizon, crossing)
+    return horizon

@@ -10,6 +10,7 @@ import pytest
 from common.settings import EnvSettings
 from kroute.settings import RunSettings
 from materializer.settings import NodeSettings
+from proxy.settings import ProxySettings
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -22,7 +23,8 @@ def section(heading: str) -> str:
 
 
 @pytest.mark.parametrize(
-    ("heading", "settings"), [("Run command", RunSettings), ("Materializer node", NodeSettings)]
+    ("heading", "settings"),
+    [("Run command", RunSettings), ("Materializer node", NodeSettings), ("Proxy", ProxySettings)],
 )
 def test_configuration_tables_list_every_variable_with_its_default_and_meaning(
     heading: str, settings: type[EnvSettings]

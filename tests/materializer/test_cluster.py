@@ -7,170 +7,37 @@ node restarted within its grace period).
 
 from __future__ import annotations
 
-import asyncio
 import signal
 import time
-import uuid
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
-import redis
-from confluent_kafka import Producer
 
-from common.contract import (
-    Assignment,
-    Keys,
-    decode_assignment,
-    decode_hosting,
-    decode_report,
-    lag_field,
-)
-from kroute.embedded import EmbeddedServices, RedisHandle
-from kroute.nodes import NodeHandle, start_node
-from kroute.topics import create_topics
-from materializer.kafka_offsets import end_offsets
+from common.contract import Assignment
 from partitioner import partition
+from tests.cluster_helpers import (
+    NODE_NAMES,
+    PARTITIONS,
+    Cluster,
+    build_cluster,
+    reported_lag,
+    spark_jvm_pid,
+    stop_cluster,
+)
 
 pytestmark = pytest.mark.integration
 
-PARTITIONS = 6
 GRACE_S = 8
-NODE_NAMES = ("a", "b", "c")
-
-
-@dataclass
-class Cluster:
-    services: EmbeddedServices
-    bootstrap: str
-    topic: str
-    redis: redis.Redis
-    keys: Keys
-    settings: dict[str, str]
-    workdir: Path
-    nodes: dict[str, NodeHandle]
-    redis_server: RedisHandle
-    dead: str = ""
-
-    @property
-    def alive(self) -> set[str]:
-        return set(NODE_NAMES) - {self.dead}
-
-    def assignment(self) -> Assignment:
-        raw = self.redis.get(self.keys.assignment)
-        assert raw is not None, "no assignment yet"
-        return decode_assignment(raw)
-
-    def start(self, name: str) -> NodeHandle:
-        node = start_node(
-            self.services,
-            self.bootstrap,
-            self.topic,
-            self.workdir / name,
-            name=name,
-            wait_ready=False,
-            **self.settings,
-        )
-        self.nodes[name] = node
-        return node
-
-    def produce(self, count: int, tag: str) -> Counter[int]:
-        """`count` records with fresh keys; how many went to each partition."""
-        producer = Producer(
-            {"bootstrap.servers": self.bootstrap, "partitioner": "murmur2_random", "linger.ms": 5}
-        )
-        per_partition: Counter[int] = Counter()
-        for i in range(count):
-            key = f"{tag}-{i}".encode()
-            producer.produce(self.topic, key=key, value=b'{"n": %d}' % i)
-            per_partition[partition(key, PARTITIONS)] += 1
-        assert producer.flush(30) == 0
-        return per_partition
-
-    def ends(self) -> dict[int, int]:
-        return asyncio.run(end_offsets(self.bootstrap, self.topic, range(PARTITIONS)))
-
-    def settled(self, alive: set[str]) -> bool:
-        """Every live node reports the current generation and has caught up on it."""
-        try:
-            assignment = self.assignment()
-        except AssertionError:
-            return False
-        ends = self.ends()
-        for name in alive:
-            raw = self.redis.get(self.keys.hosting(name))
-            if raw is None or decode_hosting(raw).generation != assignment.generation:
-                return False
-            mine = assignment.for_node(name).get("customers", {})
-            for p in mine.get("active", []) + mine.get("standby", []):
-                report = self.redis.hget(self.keys.lag(name), lag_field("customers", p))
-                if report is None or decode_report(report).current_offset != ends[p]:
-                    return False
-        covered = {
-            n for placed in assignment.stores["customers"].values() for n in placed.replicas()
-        }
-        return covered == alive and len(assignment.stores["customers"]) == PARTITIONS
-
-    def wait_settled(self, alive: set[str], timeout_s: float = 180) -> Assignment:
-        """Until settled() has held, on one generation, for several leader rounds."""
-        deadline = time.monotonic() + timeout_s
-        stable_since: tuple[int, float] | None = None
-        while time.monotonic() < deadline:
-            for name in alive:
-                assert self.nodes[name].process.is_running(), self.nodes[name].process.log_tail(30)
-            if not self.settled(alive):
-                stable_since = None
-            else:
-                generation = self.assignment().generation
-                if stable_since is None or stable_since[0] != generation:
-                    stable_since = (generation, time.monotonic())
-                elif time.monotonic() - stable_since[1] > 2.0:
-                    return self.assignment()
-            time.sleep(0.3)
-        raise AssertionError(f"cluster did not settle: {self.redis.get(self.keys.assignment)}")
 
 
 @pytest.fixture(scope="module")
 def cluster(embedded, broker, tmp_path_factory) -> Iterator[Cluster]:
-    redis_server = embedded.start_redis()  # its own: a test restarts it
-    name = f"test-{uuid.uuid4().hex[:8]}"
-    topic = f"cluster-{name}"
-    create_topics(broker.bootstrap_servers, {topic: PARTITIONS})
-    settings = {
-        "store": "customers",
-        "spark_master": "local[1]",
-        "redis_url": redis_server.url,
-        "cluster": name,
-        "grace_period_s": str(GRACE_S),
-        "standbys": "1",
-        "alive_ttl_ms": "2000",
-        "heartbeat_ms": "300",
-    }
-    client = redis.Redis.from_url(redis_server.url)
-    built = Cluster(
-        embedded,
-        broker.bootstrap_servers,
-        topic,
-        client,
-        Keys(name),
-        settings,
-        tmp_path_factory.mktemp("cluster"),
-        {},
-        redis_server,
-    )
-    built.produce(1200, "seed")
-    for node_name in NODE_NAMES:
-        built.start(node_name)
+    built = build_cluster(embedded, broker, tmp_path_factory.mktemp("cluster"), GRACE_S)
     try:
         yield built
     finally:
-        for node in built.nodes.values():
-            node.process.stop()
-            node.close()
-        client.close()
-        redis_server.process.stop()
+        stop_cluster(built)
 
 
 def test_three_nodes_share_the_partitions_one_active_one_standby_each(cluster):
@@ -218,27 +85,6 @@ def test_owners_serve_their_keys_and_other_nodes_forward_once(cluster):
         headers={"x-kroute-forwarded-by": "x"},
     )
     assert again.status_code == 421
-
-
-def spark_jvm_pid(node: NodeHandle) -> int:
-    """The node's Spark JVM: a child of whichever of its threads started Spark."""
-    children = [
-        child
-        for task in Path(f"/proc/{node.process.pid}/task").iterdir()
-        for child in (task / "children").read_text().split()
-    ]
-    for child in children:
-        if "java" in Path(f"/proc/{child}/cmdline").read_bytes().decode(errors="replace"):
-            return int(child)
-    raise AssertionError(f"no JVM among the children of node {node.process.name}: {children}")
-
-
-def reported_lag(cluster: Cluster, name: str, partitions: list[int]) -> dict[int, int | None]:
-    reports = {}
-    for p in partitions:
-        raw = cluster.redis.hget(cluster.keys.lag(name), lag_field("customers", p))
-        reports[p] = decode_report(raw).lag if raw else None
-    return reports
 
 
 def test_reported_lag_grows_with_a_paused_consumer_and_returns_to_zero(cluster):

@@ -146,3 +146,23 @@ def test_a_request_can_only_tighten_the_budget():
     assert configured.tightened(LagBudget(max_offsets=1000, max_ms=500)) == LagBudget(100, 500)
     assert configured.tightened(LagBudget()) == configured
     assert LagBudget().unlimited
+
+
+@settings(max_examples=400)
+@given(replica_sets(), budgets, st.integers(0, 70_000))
+def test_a_choice_holds_until_it_expires(replicas, budget, later):
+    """The handler reuses a choice until choice_expires_at: time alone must not change who is
+    tried, in what order, or who is refused before then (a refusal's time-lag figure is the
+    one measured when the choice was made)."""
+    from proxy.choice import choice_expires_at  # noqa: PLC0415
+
+    first = choose_replicas(replicas, budget, now_ms=NOW)
+    expires = choice_expires_at(replicas, budget, now_ms=NOW)
+    assert expires > NOW
+    moment = NOW + later
+    if moment < expires:
+        again = choose_replicas(replicas, budget, now_ms=moment)
+        assert again.candidates == first.candidates
+        assert [(r.node_id, r.role) for r in again.rejected] == [
+            (r.node_id, r.role) for r in first.rejected
+        ]

@@ -1,0 +1,76 @@
+"""Start the proxy as a real process (`python -m proxy`) and talk to it.
+
+Used by the run command, the tests and the benchmarks, so the proxy always starts the same way:
+under the embedded-services launcher (stopped by PID, killed with its owner).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from kroute.embedded import EmbeddedServices, ManagedProcess, free_port
+
+
+@dataclass
+class ProxyHandle:
+    process: ManagedProcess
+    url: str
+    admin_url: str
+    client: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=10, trust_env=False))
+
+    def get(self, path: str, **kwargs: Any) -> httpx.Response:
+        return self.client.get(self.url + path, **kwargs)
+
+    def admin(self, path: str, **kwargs: Any) -> httpx.Response:
+        return self.client.get(self.admin_url + path, **kwargs)
+
+    def status(self) -> dict[str, Any]:
+        return dict(self.admin("/cluster/status").json())
+
+    def is_live(self) -> bool:
+        try:
+            return self.admin("/health/live").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def is_ready(self) -> bool:
+        try:
+            return self.admin("/health/ready").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def start_proxy(
+    services: EmbeddedServices,
+    redis_url: str,
+    *,
+    name: str = "proxy",
+    wait_ready: bool = True,
+    timeout_s: float = 30,
+    **settings: str,
+) -> ProxyHandle:
+    """A proxy on free loopback ports; settings are KROUTE_* names without the prefix."""
+    port, admin_port = free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KROUTE_")}
+    env.update(
+        {
+            "KROUTE_REDIS_URL": redis_url,
+            "KROUTE_HOST": "127.0.0.1",
+            "KROUTE_PORT": str(port),
+            "KROUTE_ADMIN_HOST": "127.0.0.1",
+            "KROUTE_ADMIN_PORT": str(admin_port),
+        }
+    )
+    env.update({f"KROUTE_{key.upper()}": value for key, value in settings.items()})
+    process = services.start_process(name, [sys.executable, "-m", "proxy"], env=env)
+    handle = ProxyHandle(process, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}")
+    services.await_ready(process, handle.is_ready if wait_ready else handle.is_live, timeout_s)
+    return handle

@@ -1,0 +1,107 @@
+"""Publish a cluster in Redis by hand: for services that are not kroute nodes.
+
+The proxy routes to whatever the Redis contract describes. Materializer nodes publish
+themselves; this writes the same keys for a fixed set of HTTP services (a benchmark's trivial
+backends, a test's stand-in nodes, or an existing service partitioned the Kafka way), so the
+proxy can be put in front of them. Heartbeats are written without a TTL: the caller says
+who is alive, and calls `publish` again to change anything (lag reports carry the time).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import redis
+
+from common.clock import now_ms
+from common.contract import (
+    Assignment,
+    Event,
+    Hosting,
+    Keys,
+    NodeInfo,
+    PartitionAssignment,
+    PartitionReport,
+    Role,
+    StoreInfo,
+    encode,
+    lag_field,
+)
+
+END_OFFSET = 1_000  # every partition's published high watermark
+
+
+def round_robin(
+    partitions: int, nodes: list[str], standbys: int = 1
+) -> dict[int, PartitionAssignment]:
+    """Actives dealt round robin; each partition's standbys on the next node(s)."""
+    nodes = sorted(nodes)
+    extra = min(standbys, len(nodes) - 1)
+    return {
+        p: PartitionAssignment(
+            nodes[p % len(nodes)],
+            tuple(nodes[(p + i) % len(nodes)] for i in range(1, extra + 1)),
+        )
+        for p in range(partitions)
+    }
+
+
+@dataclass
+class StaticCluster:
+    keys: Keys
+    node_urls: Mapping[str, str]
+    stores: dict[str, StoreInfo] = field(default_factory=dict)
+    placements: dict[str, dict[int, PartitionAssignment]] = field(default_factory=dict)
+    alive: set[str] = field(default_factory=set)
+    lag: dict[tuple[str, str, int], int] = field(default_factory=dict)  # (node, store, p)
+    lagging_since_ms: dict[tuple[str, str, int], int] = field(default_factory=dict)
+    generation: int = 1
+
+    def add_store(self, store: StoreInfo, standbys: int = 1) -> StaticCluster:
+        self.stores[store.name] = store
+        self.placements[store.name] = round_robin(store.partitions, list(self.node_urls), standbys)
+        if not self.alive:
+            self.alive = set(self.node_urls)
+        return self
+
+    def publish(self, client: redis.Redis) -> None:
+        at = now_ms()
+        keys = self.keys
+        assignment = Assignment(self.generation, min(self.node_urls), at, dict(self.placements))
+        pipe = client.pipeline(transaction=True)
+        for info in self.stores.values():
+            pipe.sadd(keys.stores, info.name)
+            pipe.set(keys.store(info.name), encode(info))
+        for node_id, url in self.node_urls.items():
+            pipe.sadd(keys.nodes, node_id)
+            pipe.set(keys.node(node_id), encode(NodeInfo(node_id, url, at)))
+            if node_id in self.alive:
+                pipe.set(keys.alive(node_id), "1")
+            else:
+                pipe.delete(keys.alive(node_id))
+            hosted: dict[str, dict[Role, tuple[int, ...]]] = {
+                store: {role: tuple(parts) for role, parts in roles.items()}
+                for store, roles in assignment.for_node(node_id).items()
+            }
+            pipe.set(keys.hosting(node_id), encode(Hosting(node_id, self.generation, hosted, at)))
+            pipe.delete(keys.lag(node_id))
+            for store, roles in hosted.items():
+                for partition in (p for parts in roles.values() for p in parts):
+                    report = self._report(node_id, store, partition, at)
+                    pipe.hset(keys.lag(node_id), lag_field(store, partition), encode(report))
+        pipe.set(keys.assignment, encode(assignment))
+        pipe.publish(keys.events, encode(Event("assignment", generation=self.generation)))
+        pipe.execute()
+
+    def _report(self, node_id: str, store: str, partition: int, at: int) -> PartitionReport:
+        lag = self.lag.get((node_id, store, partition), 0)
+        return PartitionReport(
+            current_offset=END_OFFSET - lag,
+            end_offset=END_OFFSET,
+            newest_record_ms=at,
+            caught_up_at_ms=at
+            if lag == 0
+            else self.lagging_since_ms.get((node_id, store, partition), at),
+            updated_at_ms=at,
+        )

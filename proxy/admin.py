@@ -1,0 +1,99 @@
+"""The admin listener (a port separate from the data port): liveness, readiness, Prometheus
+metrics and cluster status, served by uvicorn. With KROUTE_ADMIN_TOKEN set, everything but the
+health checks needs `Authorization: Bearer <token>` (or `?token=` for the page in a browser).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+from urllib.parse import parse_qs
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+class AdminApp:
+    def __init__(
+        self,
+        *,
+        registry: CollectorRegistry,
+        status: Callable[[], dict[str, Any]],
+        readiness: Callable[[], tuple[bool, dict[str, Any]]],
+        status_page: str,
+        token: str | None,
+    ) -> None:
+        self._registry = registry
+        self._status = status
+        self._readiness = readiness
+        self._page = status_page.encode()
+        self._token = token
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        path = scope["path"]
+        if scope["method"] not in ("GET", "HEAD"):
+            await _send(send, 405, _json({"error": "method_not_allowed", "allowed": ["GET"]}))
+            return
+        if path == "/health/live":
+            await _send(send, 200, _json({"status": "live"}))
+            return
+        if path == "/health/ready":
+            ready, detail = self._readiness()
+            await _send(send, 200 if ready else 503, _json(detail))
+            return
+        if not self._authorized(scope):
+            await _send(
+                send,
+                401,
+                _json({"error": "unauthorized", "detail": "send Authorization: Bearer <token>"}),
+                extra=[(b"www-authenticate", b"Bearer")],
+            )
+            return
+        if path == "/metrics":
+            await _send(send, 200, generate_latest(self._registry), CONTENT_TYPE_LATEST.encode())
+        elif path in ("/cluster/status", "/clusterStatus"):
+            await _send(send, 200, _json(self._status()))
+        elif path in ("/", "/cluster"):
+            await _send(send, 200, self._page, b"text/html; charset=utf-8")
+        else:
+            await _send(send, 404, _json({"error": "not_found", "path": path}))
+
+    def _authorized(self, scope: Scope) -> bool:
+        if self._token is None:
+            return True
+        offered = ""
+        for name, value in scope.get("headers", []):
+            if name == b"authorization" and value.startswith(b"Bearer "):
+                offered = value[7:].decode("latin-1")
+        if not offered:
+            query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+            offered = (query.get("token") or [""])[0]
+        return hmac.compare_digest(offered.encode(), self._token.encode())
+
+
+def _json(payload: dict[str, Any]) -> bytes:
+    return json.dumps(payload, separators=(",", ":")).encode()
+
+
+async def _send(
+    send: Send,
+    status: int,
+    body: bytes,
+    content_type: bytes = b"application/json",
+    extra: list[tuple[bytes, bytes]] | None = None,
+) -> None:
+    headers = [
+        (b"content-type", content_type),
+        (b"content-length", str(len(body)).encode()),
+        (b"cache-control", b"no-store"),
+        *(extra or []),
+    ]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

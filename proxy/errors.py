@@ -1,0 +1,86 @@
+"""Errors of the proxy: what a client is told, and what an upstream did.
+
+ProxyError(Exception)
+├── RequestRejected      the client's request cannot be served as sent (4xx, never forwarded)
+│   ├── BadRequest       malformed request line, target, header or budget (400)
+│   ├── KeyRejected      a keyed route's key is missing or not valid for the store's format (400)
+│   ├── UnknownStore     no such store in the routing table (404)
+│   ├── MethodNotAllowed a keyed route takes GET and HEAD only (405)
+│   └── TooLarge         headers or body over the configured bounds (413 / 431)
+└── UpstreamFailure      a node could not give an answer (retriable: try the next candidate)
+    ├── UpstreamRefused  connect failed (refused, unreachable, connect timeout)
+    ├── UpstreamReset    the connection closed or reset before a whole response arrived
+    ├── UpstreamTimeout  no whole response within the upstream timeout
+    └── UpstreamProtocol the node's response could not be parsed
+
+Each class carries its HTTP status and a short machine-readable code; the listener turns a
+RequestRejected into a JSON body, and the exchange turns UpstreamFailures into failover.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ProxyError(Exception):
+    """Base class for proxy failures."""
+
+
+class RequestRejected(ProxyError):
+    status = 400
+    code = "bad_request"
+
+    def __init__(self, detail: str, **extra: Any) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.extra = extra
+
+    def payload(self) -> dict[str, Any]:
+        return {"error": self.code, "detail": self.detail, **self.extra}
+
+
+class BadRequest(RequestRejected):
+    pass
+
+
+class KeyRejected(RequestRejected):
+    code = "invalid_key"
+
+
+class UnknownStore(RequestRejected):
+    status = 404
+    code = "unknown_store"
+
+
+class MethodNotAllowed(RequestRejected):
+    status = 405
+    code = "method_not_allowed"
+
+
+class TooLarge(RequestRejected):
+    status = 413
+    code = "too_large"
+
+    def __init__(self, detail: str, *, status: int = 413, **extra: Any) -> None:
+        super().__init__(detail, **extra)
+        self.status = status
+
+
+class UpstreamFailure(ProxyError):
+    kind = "upstream_failure"
+
+
+class UpstreamRefused(UpstreamFailure):
+    kind = "connect_failed"
+
+
+class UpstreamReset(UpstreamFailure):
+    kind = "connection_reset"
+
+
+class UpstreamTimeout(UpstreamFailure):
+    kind = "timeout"
+
+
+class UpstreamProtocol(UpstreamFailure):
+    kind = "bad_response"

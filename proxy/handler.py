@@ -1,0 +1,264 @@
+"""What the proxy does with one parsed request: route it, choose replicas, start the exchange.
+
+Keyed requests (a configured route matched) go to the replicas of the key's partition, in the
+order `choose_replicas` gives; others go to any live registered node, round robin. Decisions
+read the current snapshot once. The choice for (store, partition) under the configured budget
+is cached until the snapshot or the ejected set changes, or until time alone could change it
+(`choice_expires_at`); a request that tightens the budget by header computes its own.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import structlog
+
+from common.clock import now_ms
+from partitioner import KeyFormatError, KeyPartitioner
+from proxy.choice import Choice, LagBudget, UnknownLagPolicy, choice_expires_at, choose_replicas
+from proxy.errors import (
+    BadRequest,
+    KeyRejected,
+    MethodNotAllowed,
+    RequestRejected,
+    UnknownStore,
+)
+from proxy.exchange import Candidate, Exchange, ExchangeContext, Target, provenance_lines
+from proxy.http import ClientRequest, json_response
+from proxy.metrics import ProxyMetrics
+from proxy.routes import CompiledRoute, KeyedRequest, RouteTable
+from proxy.routing import EMPTY, PARTITION_CACHE, RoutingSnapshot, StoreRoute
+
+log = structlog.get_logger("kroute.proxy.handler")
+
+MAX_LAG_HEADER = b"x-kroute-max-lag"
+MAX_LAG_MS_HEADER = b"x-kroute-max-lag-ms"
+IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS"})
+KEYED_METHODS = frozenset({"GET", "HEAD"})
+
+Respond = Callable[[bytes, bool], None]  # (response bytes, keep the connection open)
+
+
+@dataclass(frozen=True)
+class ChoicePolicy:
+    budget: LagBudget
+    unknown_lag: UnknownLagPolicy
+    stale_after_ms: int
+    spread: bool
+
+
+class RequestHandler:
+    def __init__(
+        self,
+        *,
+        routes: RouteTable,
+        policy: ChoicePolicy,
+        context: ExchangeContext,
+        metrics: ProxyMetrics,
+        access_log: bool,
+    ) -> None:
+        self.routes = routes
+        self.policy = policy
+        self.context = context
+        self.metrics = metrics
+        self.access_log = access_log
+        self.snapshot: RoutingSnapshot = EMPTY
+        self._targets: dict[str, Target] = {}
+        # (store, partition) -> (choice, candidates ready to send, valid until ms)
+        self._choices: dict[tuple[str, int], tuple[Choice, list[Candidate], int]] = {}
+        self._route_partitioners: dict[tuple[int, int], KeyPartitioner] = {}
+        self._counter = 0
+
+    # -- table and health changes (from the watcher and the ejections) -------------------------
+
+    def use_snapshot(self, snapshot: RoutingSnapshot) -> None:
+        targets = {}
+        for node_id, url in snapshot.node_urls.items():
+            parts = urlsplit(url)
+            assert parts.hostname is not None  # the watcher admits http://host:port only
+            assert parts.port is not None
+            targets[node_id] = Target.build(node_id, url, parts.hostname, parts.port)
+        self._targets = targets
+        self.snapshot = snapshot
+        self._choices = {}
+
+    def forget_choices(self) -> None:
+        self._choices = {}
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def handle(self, request: ClientRequest, respond: Respond) -> None:
+        try:
+            keyed = self.routes.match(request.path, request.query, _header_reader(request))
+            if keyed is None:
+                self._passthrough(request, respond)
+            else:
+                self._keyed(request, keyed, respond)
+        except RequestRejected as exc:
+            self.reject(request, exc, respond)
+
+    def reject(self, request: ClientRequest, exc: RequestRejected, respond: Respond) -> None:
+        ProxyMetrics.bump(self.metrics.rejected, exc.code)
+        self.metrics.observe("rejected", exc.status, time.perf_counter() - request.received_at)
+        headers = [(b"x-request-id", request.request_id)]
+        if exc.status == 405:
+            headers.append((b"allow", b"GET, HEAD"))
+        respond(
+            json_response(
+                exc.status,
+                exc.payload(),
+                keep_alive=request.keep_alive,
+                extra_headers=headers,
+                head_only=request.method == "HEAD",
+            ),
+            request.keep_alive,
+        )
+
+    def _keyed(self, request: ClientRequest, keyed: KeyedRequest, respond: Respond) -> None:
+        if request.method not in KEYED_METHODS:
+            raise _method_not_allowed(request.method)
+        snapshot = self.snapshot
+        store = snapshot.stores.get(keyed.store)
+        if store is None:
+            raise UnknownStore(
+                f"no store named {keyed.store!r} is registered",
+                store=keyed.store,
+                stores=sorted(snapshot.stores),
+            )
+        partitioner = self._partitioner(keyed.route, store)
+        try:
+            partition = partitioner.partition_of(keyed.key)
+        except KeyFormatError as exc:
+            raise KeyRejected(
+                exc.reason, key=keyed.key, key_format=exc.key_format, store=keyed.store
+            ) from None
+        budget = self._request_budget(request)
+        choice, candidates = self._choice(store, keyed.store, partition, budget)
+        if self.policy.spread and len(candidates) > 1:
+            self._counter += 1
+            shift = self._counter % len(candidates)
+            candidates = candidates[shift:] + candidates[:shift]
+        Exchange(
+            self.context,
+            request,
+            respond,
+            targets=candidates,
+            store=keyed.store,
+            partition=partition,
+            rejected=choice.rejected,
+            budget=budget,
+            idempotent=True,
+        ).start()
+
+    def _passthrough(self, request: ClientRequest, respond: Respond) -> None:
+        live = [self._targets[n] for n in sorted(self.snapshot.alive) if n in self._targets]
+        live = [t for t in live if t.node_id not in self.context.ejections.ejected] or live
+        if live:
+            self._counter += 1
+            shift = self._counter % len(live)
+            live = live[shift:] + live[:shift]
+        Exchange(
+            self.context,
+            request,
+            respond,
+            targets=[(target, None, b"") for target in live],
+            store=None,
+            partition=None,
+            rejected=(),
+            budget=self.policy.budget,
+            idempotent=request.method in IDEMPOTENT,
+        ).start()
+
+    def _partitioner(self, route: CompiledRoute, store: StoreRoute) -> KeyPartitioner:
+        spec = route.spec
+        if spec.key_format is None and spec.partitioner is None:
+            return store.partitioner
+        cache_key = (id(route), store.info.partitions)
+        partitioner = self._route_partitioners.get(cache_key)
+        if partitioner is None:
+            partitioner = KeyPartitioner(
+                spec.key_format or store.info.key_format,
+                spec.partitioner or store.info.partitioner,
+                store.info.partitions,
+                cache_size=PARTITION_CACHE,
+            )
+            self._route_partitioners[cache_key] = partitioner
+        return partitioner
+
+    def _request_budget(self, request: ClientRequest) -> LagBudget | None:
+        """The budget tightened by the request's headers; None when it sent none."""
+        offsets = request.header(MAX_LAG_HEADER)
+        millis = request.header(MAX_LAG_MS_HEADER)
+        if offsets is None and millis is None:
+            return None
+        asked = LagBudget(
+            _budget_value(offsets, MAX_LAG_HEADER), _budget_value(millis, MAX_LAG_MS_HEADER)
+        )
+        return self.policy.budget.tightened(asked)
+
+    def _choice(
+        self, store: StoreRoute, name: str, partition: int, budget: LagBudget | None
+    ) -> tuple[Choice, list[Candidate]]:
+        at = now_ms()
+        policy = self.policy
+        if budget is None:
+            cached = self._choices.get((name, partition))
+            if cached is not None and at < cached[2]:
+                return cached[0], cached[1]
+        replicas = store.replicas[partition]
+        effective = budget or policy.budget
+        choice = choose_replicas(
+            replicas,
+            effective,
+            now_ms=at,
+            ejected=self.context.ejections.ejected,
+            unknown_lag=policy.unknown_lag,
+            stale_after_ms=policy.stale_after_ms,
+        )
+        candidates: list[Candidate] = [
+            (self._targets[r.node_id], r, provenance_lines(r.node_id, partition, r))
+            for r in choice.candidates
+        ]
+        if budget is None:
+            expires = choice_expires_at(
+                replicas, effective, now_ms=at, stale_after_ms=policy.stale_after_ms
+            )
+            self._choices[(name, partition)] = (choice, candidates, expires)
+        return choice, candidates
+
+    def status(self) -> dict[str, Any]:
+        return {"cached_choices": len(self._choices)}
+
+
+def _header_reader(request: ClientRequest) -> Callable[[str], str | None]:
+    def read(name: str) -> str | None:
+        value = request.header(name.encode("ascii"))
+        if value is None:
+            return None
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError:
+            raise KeyRejected(f"header {name!r} is not UTF-8") from None
+
+    return read
+
+
+def _budget_value(raw: bytes | None, header: bytes) -> int | None:
+    if raw is None:
+        return None
+    text = raw.strip()
+    if not text.isdigit() or len(text) > 18:
+        raise BadRequest(
+            f"{header.decode()} must be a non-negative integer",
+            header=header.decode(),
+            value=raw.decode("latin-1"),
+        )
+    return int(text)
+
+
+def _method_not_allowed(method: str) -> RequestRejected:
+    return MethodNotAllowed(f"keyed routes answer GET and HEAD, not {method}", method=method)

@@ -1,0 +1,210 @@
+"""HTTP/1.1 message bytes for the hot path: requests to nodes, responses to clients (pure).
+
+Hop-by-hop headers (RFC 9110 §7.6.1), and any header a Connection header names, are never
+passed on; a node's provenance headers are replaced by the proxy's own (what it routed on);
+Content-Length is recomputed because bodies are buffered (lookups are small and a
+bounded buffer is what lets a failed attempt be retried on another node). What depends only
+on configuration (status lines, canned bodies) is computed once.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from http import HTTPStatus
+from typing import Any
+
+HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-connection",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"content-length",  # recomputed
+        b"host",  # set to the node's authority; the client's goes in X-Forwarded-Host
+        b"x-forwarded-for",  # extended, not copied
+        b"x-forwarded-proto",
+        b"x-forwarded-host",
+    }
+)
+# Provenance headers the proxy sets from its own routing view; a node's copies are dropped.
+PROVENANCE = frozenset({b"x-kroute-node", b"x-kroute-partition", b"x-kroute-role", b"x-kroute-lag"})
+DROP_FROM_RESPONSE = (HOP_BY_HOP - {b"x-forwarded-for", b"x-forwarded-proto"}) | PROVENANCE
+
+_STATUS_LINES: dict[int, bytes] = {}
+
+
+def status_line(status: int) -> bytes:
+    line = _STATUS_LINES.get(status)
+    if line is None:
+        try:
+            reason = HTTPStatus(status).phrase
+        except ValueError:
+            reason = "Unknown"
+        line = f"HTTP/1.1 {status} {reason}\r\n".encode("latin-1")
+        _STATUS_LINES[status] = line
+    return line
+
+
+def connection_named(headers: list[tuple[bytes, bytes]]) -> frozenset[bytes]:
+    """Header names listed in Connection: hop-by-hop for this message only."""
+    named: set[bytes] = set()
+    for name, value in headers:
+        if name == b"connection":
+            named.update(token.strip().lower() for token in value.split(b","))
+    return frozenset(named)
+
+
+def request_head(
+    method: str,
+    target: str,
+    headers: list[tuple[bytes, bytes]],
+    *,
+    client_ip: str,
+    request_id: bytes,
+    body_length: int,
+) -> bytes:
+    """Everything of the request to a node but its Host line, which differs per node."""
+    named = connection_named(headers) if any(n == b"connection" for n, _ in headers) else ()
+    lines = [f"{method} {target} HTTP/1.1\r\n".encode("latin-1")]
+    forwarded_for = client_ip.encode()
+    host = b""
+    for name, value in headers:
+        if name in HOP_BY_HOP or name in named:
+            if name == b"x-forwarded-for":
+                forwarded_for = value + b", " + forwarded_for
+            elif name == b"host":
+                host = value
+            continue
+        if name == b"x-request-id":
+            continue  # replaced by the id the proxy logs
+        lines.append(name + b": " + value + b"\r\n")
+    lines.append(b"x-forwarded-for: " + forwarded_for + b"\r\n")
+    lines.append(b"x-forwarded-proto: http\r\n")
+    if host:
+        lines.append(b"x-forwarded-host: " + host + b"\r\n")
+    lines.append(b"x-request-id: " + request_id + b"\r\n")
+    if body_length or method not in ("GET", "HEAD"):
+        lines.append(b"content-length: " + str(body_length).encode() + b"\r\n")
+    return b"".join(lines)
+
+
+_DROP_LINE = re.compile(
+    rb"^(?:connection|keep-alive|proxy-connection|proxy-authenticate|proxy-authorization|te|"
+    rb"trailer|transfer-encoding|upgrade|content-length|x-kroute-node|x-kroute-partition|"
+    rb"x-kroute-role|x-kroute-lag|x-kroute-time-lag-ms)[ \t]*:[^\n]*\n",
+    re.IGNORECASE | re.MULTILINE,
+)
+_CONNECTION_VALUE = re.compile(rb"^connection[ \t]*:([^\r\n]*)", re.IGNORECASE | re.MULTILINE)
+_PLAIN_CONNECTION_TOKENS = frozenset({b"", b"keep-alive", b"close"})
+
+
+def filter_response_head(lines: bytes) -> bytes:
+    """A node's header lines (each ending CRLF) without hop-by-hop and provenance headers.
+
+    One regex substitution in C instead of a Python loop over headers: this runs for every
+    response. Headers a Connection header names are hop-by-hop too (RFC 9110 §7.6.1); that
+    rare case takes a second pass.
+    """
+    named: set[bytes] = set()
+    for value in _CONNECTION_VALUE.findall(lines):
+        named.update(token.strip().lower() for token in value.split(b","))
+    kept = _DROP_LINE.sub(b"", lines)
+    extra = named - _PLAIN_CONNECTION_TOKENS
+    if extra:
+        alternatives = b"|".join(re.escape(name) for name in sorted(extra))
+        kept = re.sub(rb"^(?:" + alternatives + rb")[ \t]*:[^\n]*\n", b"", kept, flags=re.I | re.M)
+    return kept
+
+
+def response_bytes(
+    status: int,
+    head_lines: bytes,
+    extra_lines: bytes,
+    body: bytes,
+    *,
+    keep_alive: bool,
+    head_only: bool = False,
+) -> bytes:
+    """A whole response: status line, the given header lines, a fresh Content-Length."""
+    return b"".join(
+        (
+            status_line(status),
+            head_lines,
+            extra_lines,
+            b"content-length: %d\r\n" % len(body),
+            b"\r\n" if keep_alive else b"connection: close\r\n\r\n",
+            b"" if head_only else body,
+        )
+    )
+
+
+_JSON_TYPE = b"content-type: application/json\r\n"
+
+
+def json_response(
+    status: int,
+    payload: dict[str, Any],
+    *,
+    keep_alive: bool,
+    extra_headers: list[tuple[bytes, bytes]] | None = None,
+    head_only: bool = False,
+) -> bytes:
+    body = json.dumps(payload, separators=(",", ":")).encode()
+    extra = b"".join(name + b": " + value + b"\r\n" for name, value in extra_headers or ())
+    return response_bytes(
+        status, _JSON_TYPE, extra, body, keep_alive=keep_alive, head_only=head_only
+    )
+
+
+class ClientRequest:
+    """One whole request from a client, as the listener parsed it."""
+
+    __slots__ = (
+        "body",
+        "client_ip",
+        "headers",
+        "keep_alive",
+        "method",
+        "path",
+        "query",
+        "received_at",
+        "request_id",
+        "target",
+    )
+
+    def __init__(
+        self,
+        *,
+        method: str,
+        target: str,
+        path: str,
+        query: str | None,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        client_ip: str,
+        keep_alive: bool,
+        request_id: bytes,
+        received_at: float,
+    ) -> None:
+        self.method = method
+        self.target = target
+        self.path = path
+        self.query = query
+        self.headers = headers
+        self.body = body
+        self.client_ip = client_ip
+        self.keep_alive = keep_alive
+        self.request_id = request_id
+        self.received_at = received_at
+
+    def header(self, name: bytes) -> bytes | None:
+        for header_name, value in self.headers:
+            if header_name == name:
+                return value
+        return None

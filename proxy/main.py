@@ -1,0 +1,243 @@
+"""The proxy's composition root: settings → collaborators → listeners; SIGTERM → graceful stop.
+
+python -m proxy        (configured by KROUTE_* variables; see proxy/settings.py)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import redis.asyncio as aioredis
+import structlog
+import uvicorn
+import uvloop
+from prometheus_client import CollectorRegistry
+
+from common.clock import now_ms
+from common.contract import Keys
+from common.logging import configure_logging
+from common.settings import SettingsError
+from proxy.admin import AdminApp
+from proxy.choice import LagBudget
+from proxy.exchange import ExchangeContext
+from proxy.handler import ChoicePolicy, RequestHandler
+from proxy.health import Ejections
+from proxy.listener import Limits, Listener
+from proxy.metrics import MetricsCollector, ProxyMetrics
+from proxy.retry_budget import RetryBudget
+from proxy.routes import RouteTable
+from proxy.settings import ProxySettings
+from proxy.status import cluster_status, status_page
+from proxy.upstream import UpstreamPool
+from proxy.watcher import TableWatcher
+
+log = structlog.get_logger("kroute.proxy")
+EXIT_OK, EXIT_CONFIG, EXIT_BIND = 0, 2, 3
+
+
+class _AdminServer(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield  # the proxy handles SIGINT/SIGTERM itself (the data port drains first)
+
+
+class Proxy:
+    def __init__(self, settings: ProxySettings) -> None:
+        self.settings = settings
+        self.metrics = ProxyMetrics()
+        self._stop = asyncio.Event()
+        self.redis = aioredis.from_url(
+            settings.redis_url.get_secret_value(),
+            socket_timeout=settings.redis_timeout_ms / 1000,
+            socket_connect_timeout=settings.redis_timeout_ms / 1000,
+            **({"ssl_ca_certs": settings.redis_ca_file} if settings.redis_ca_file else {}),
+        )
+        self.pool = UpstreamPool(
+            connect_timeout_s=settings.connect_timeout_ms / 1000,
+            response_timeout_s=settings.upstream_timeout_ms / 1000,
+            idle_per_origin=settings.upstream_idle_per_node,
+            max_response_bytes=settings.max_response_bytes,
+        )
+        self.ejections = Ejections(
+            eject_ms=settings.eject_ms,
+            probe_interval_ms=settings.probe_interval_ms,
+            probe_timeout_s=settings.connect_timeout_ms / 1000 + 0.5,
+        )
+        self.watcher = TableWatcher(
+            self.redis,
+            Keys(settings.cluster),
+            refresh_interval_ms=settings.refresh_interval_ms,
+            networks=settings.networks(),
+        )
+        context = ExchangeContext(
+            pool=self.pool,
+            ejections=self.ejections,
+            metrics=self.metrics,
+            refresh_table=self.watcher.refresh_soon,
+            retry_budget=RetryBudget(
+                percent=settings.retry_budget_percent,
+                min_per_s=settings.min_retries_per_s,
+                burst=settings.retry_burst,
+            ),
+            access_log=settings.access_log,
+        )
+        self.handler = RequestHandler(
+            routes=RouteTable(settings.route_specs()),
+            policy=ChoicePolicy(
+                budget=LagBudget(settings.max_lag, settings.max_lag_ms),
+                unknown_lag=settings.unknown_lag,
+                stale_after_ms=settings.lag_report_stale_ms,
+                spread=settings.spread,
+            ),
+            context=context,
+            metrics=self.metrics,
+            access_log=settings.access_log,
+        )
+        self.listener = Listener(
+            self.handler,
+            Limits(
+                max_header_bytes=settings.max_header_bytes,
+                max_headers=settings.max_headers,
+                max_body_bytes=settings.max_body_bytes,
+                request_timeout_s=settings.request_timeout_ms / 1000,
+                idle_timeout_s=settings.idle_timeout_ms / 1000,
+                max_connections=settings.max_connections,
+            ),
+        )
+        self.context = context
+        self.ejections.on_change = self.handler.forget_choices
+        self.watcher.on_snapshot = self.handler.use_snapshot
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(MetricsCollector(self.metrics, self._gauges))
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _gauges(self) -> dict[str, float]:
+        snapshot = self.watcher.snapshot
+        return {
+            "table_age_seconds": (now_ms() - snapshot.built_at_ms) / 1000
+            if snapshot.built_at_ms
+            else -1.0,
+            "table_generation": snapshot.generation,
+            "redis_degraded": float(self.watcher.degraded),
+            "table_refresh_failures": self.watcher.refresh_failures,
+            "nodes_alive": len(snapshot.alive),
+            "nodes_ejected": len(self.ejections.ejected),
+            "client_connections": len(self.listener.connections),
+            "requests_in_flight": self.context.in_flight,
+            "upstream_connections_idle": self.pool.idle_count(),
+            "upstream_connections_busy": self.pool.busy_count(),
+            "upstream_connections_opened": self.pool.opened,
+        }
+
+    def _status(self) -> dict[str, Any]:
+        return cluster_status(
+            self.watcher.snapshot,
+            now_ms=now_ms(),
+            ejected={n: self.ejections.since(n) for n in self.ejections.ejected},
+            metrics=self.metrics,
+            proxy={
+                "degraded": self.watcher.degraded,
+                "redis_error": self.watcher.last_error,
+                "table_loaded": self.watcher.loaded,
+                "failovers": self.metrics.failovers,
+                "retry_budget_exhausted": self.metrics.retry_budget_exhausted,
+            },
+        )
+
+    def _readiness(self) -> tuple[bool, dict[str, Any]]:
+        snapshot = self.watcher.snapshot
+        ready = self.watcher.loaded and bool(snapshot.alive) and not self.listener.closing
+        return ready, {
+            "status": "ready" if ready else "not_ready",
+            "table_loaded": self.watcher.loaded,
+            "nodes_alive": len(snapshot.alive),
+            "degraded": self.watcher.degraded,
+            "shutting_down": self.listener.closing,
+        }
+
+    async def run(self) -> int:
+        settings = self.settings
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, self._stop.set)
+        await self.watcher.refresh()  # serve from the first table if Redis is there already
+        try:
+            host, port = await self.listener.start(settings.host, settings.port)
+        except OSError as exc:
+            log.error(
+                "cannot listen on the data port (is it taken? set KROUTE_PORT)",
+                host=settings.host,
+                port=settings.port,
+                error=exc.strerror or str(exc),
+            )
+            return EXIT_BIND
+        admin = _AdminServer(
+            uvicorn.Config(
+                AdminApp(
+                    registry=self.registry,
+                    status=self._status,
+                    readiness=self._readiness,
+                    status_page=status_page(),
+                    token=settings.admin_token.get_secret_value() if settings.admin_token else None,
+                ),
+                host=settings.admin_host,
+                port=settings.admin_port,
+                http="httptools",
+                lifespan="off",
+                access_log=False,
+                log_config=None,
+                timeout_graceful_shutdown=2,
+            )
+        )
+        serving_admin = asyncio.create_task(admin.serve())
+        background = [
+            asyncio.create_task(self.watcher.run()),
+            asyncio.create_task(self.ejections.run(lambda n: n in self.watcher.snapshot.alive)),
+        ]
+        await asyncio.sleep(0)
+        log.info(
+            "proxy listening",
+            data_url=f"http://{host}:{port}",
+            admin_url=f"http://{settings.admin_host}:{settings.admin_port}",
+            cluster=settings.cluster,
+            routes=[spec.path for spec in settings.route_specs()],
+            table_loaded=self.watcher.loaded,
+            redis=repr(settings.redis_url),
+        )
+        try:
+            await self._stop.wait()
+        finally:
+            log.info(
+                "proxy stopping: draining in-flight requests", timeout_s=settings.shutdown_timeout_s
+            )
+            unfinished = await self.listener.shutdown(settings.shutdown_timeout_s)
+            admin.should_exit = True
+            for task in background:
+                task.cancel()
+            await asyncio.gather(serving_admin, *background, return_exceptions=True)
+            self.pool.close()
+            await self.ejections.close()
+            await self.redis.aclose()
+            log.info("proxy stopped", unfinished_requests=unfinished)
+        return EXIT_OK
+
+
+def main() -> int:
+    try:
+        settings = ProxySettings.from_env()
+    except SettingsError as exc:
+        print(f"kroute proxy: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    configure_logging(settings.log_level, component="proxy")
+
+    async def run() -> int:
+        return await Proxy(settings).run()
+
+    return uvloop.run(run())

@@ -1,0 +1,139 @@
+"""What the proxy counts, kept as plain integers on the hot path and turned into Prometheus
+families only when /metrics is scraped (a prometheus_client Counter takes a lock per `inc`).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+LATENCY_BUCKETS_S = (
+    0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+
+
+@dataclass
+class ProxyMetrics:
+    responses: dict[tuple[str, int], int] = field(default_factory=dict)  # (kind, status)
+    latency_counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS_S) + 1))
+    latency_sum_s: float = 0.0
+    choices: dict[tuple[str, int, str, str], int] = field(default_factory=dict)
+    node_requests: dict[str, int] = field(default_factory=dict)
+    node_failures: dict[tuple[str, str], int] = field(default_factory=dict)  # (node, kind)
+    failovers: int = 0
+    retry_budget_exhausted: int = 0
+    no_replica: dict[str, int] = field(default_factory=dict)  # store
+    misdirected: dict[str, int] = field(default_factory=dict)  # node
+    rejected: dict[str, int] = field(default_factory=dict)  # error code
+
+    def observe(self, kind: str, status: int, seconds: float) -> None:
+        key = (kind, status)
+        self.responses[key] = self.responses.get(key, 0) + 1
+        self.latency_counts[bisect_left(LATENCY_BUCKETS_S, seconds)] += 1
+        self.latency_sum_s += seconds
+
+    def chose(self, store: str, partition: int, node: str, role: str) -> None:
+        key = (store, partition, node, role)
+        self.choices[key] = self.choices.get(key, 0) + 1
+        self.node_requests[node] = self.node_requests.get(node, 0) + 1
+
+    def sent_to(self, node: str) -> None:
+        self.node_requests[node] = self.node_requests.get(node, 0) + 1
+
+    def failed(self, node: str, kind: str) -> None:
+        key = (node, kind)
+        self.node_failures[key] = self.node_failures.get(key, 0) + 1
+
+    @staticmethod
+    def bump(counts: dict[str, int], key: str) -> None:
+        counts[key] = counts.get(key, 0) + 1
+
+
+class MetricsCollector(Collector):
+    def __init__(self, metrics: ProxyMetrics, gauges: Callable[[], dict[str, float]]) -> None:
+        self._metrics = metrics
+        self._gauges = gauges
+
+    def collect(self) -> Iterator[Metric]:
+        m = self._metrics
+        responses = CounterMetricFamily(
+            "kroute_proxy_responses",
+            "Responses sent, by request kind and status",
+            labels=["kind", "status"],
+        )
+        for (kind, status), count in sorted(m.responses.items()):
+            responses.add_metric([kind, str(status)], count)
+        yield responses
+
+        cumulative, buckets = 0, []
+        for bound, count in zip(LATENCY_BUCKETS_S, m.latency_counts, strict=False):
+            cumulative += count
+            buckets.append((repr(bound), cumulative))
+        cumulative += m.latency_counts[-1]
+        buckets.append(("+Inf", cumulative))
+        yield HistogramMetricFamily(
+            "kroute_proxy_request_duration_seconds",
+            "From a whole request received to its response written",
+            buckets=buckets,
+            sum_value=m.latency_sum_s,
+        )
+
+        choices = CounterMetricFamily(
+            "kroute_proxy_replica_choices",
+            "Keyed requests sent, by store, partition, node and role",
+            labels=["store", "partition", "node", "role"],
+        )
+        for (store, partition, node, role), count in sorted(m.choices.items()):
+            choices.add_metric([store, str(partition), node, role], count)
+        yield choices
+
+        per_node = CounterMetricFamily(
+            "kroute_proxy_node_requests", "Attempts sent to each node", labels=["node"]
+        )
+        for node, count in sorted(m.node_requests.items()):
+            per_node.add_metric([node], count)
+        yield per_node
+
+        failures = CounterMetricFamily(
+            "kroute_proxy_upstream_failures",
+            "Failed attempts, by node and kind",
+            labels=["node", "kind"],
+        )
+        for (node, kind), count in sorted(m.node_failures.items()):
+            failures.add_metric([node, kind], count)
+        yield failures
+
+        yield CounterMetricFamily(
+            "kroute_proxy_failovers", "Attempts retried on the next candidate", value=m.failovers
+        )
+        yield CounterMetricFamily(
+            "kroute_proxy_retry_budget_exhausted",
+            "Failovers refused because the retry budget was spent",
+            value=m.retry_budget_exhausted,
+        )
+        for name, help_text, label, counts in (
+            ("kroute_proxy_no_replica", "503s: no replica qualified", "store", m.no_replica),
+            (
+                "kroute_proxy_misdirected",
+                "421s from nodes (table refreshed)",
+                "node",
+                m.misdirected,
+            ),
+            ("kroute_proxy_rejected", "Requests refused before forwarding", "error", m.rejected),
+        ):
+            family = CounterMetricFamily(name, help_text, labels=[label])
+            for key, count in sorted(counts.items()):
+                family.add_metric([key], count)
+            yield family
+
+        for name, value in sorted(self._gauges().items()):
+            yield GaugeMetricFamily(f"kroute_proxy_{name}", name.replace("_", " "), value=value)

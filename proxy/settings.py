@@ -1,0 +1,241 @@
+"""The proxy's settings, read once from KROUTE_* environment variables (`ProxySettings.from_env`).
+
+Routes are JSON in KROUTE_ROUTES, a list of objects:
+  {"path": "/stores/{store}/keys/{key}"}                       the nodes' own API (the default)
+  {"path": "/customers/{key}", "store": "customers"}           key in the path, fixed store
+  {"path": "/lookup", "store": "customers", "key": "query:id"} key in a query parameter
+  {"path": "/fraud/check", "store": "cards", "key": "header:x-card-id", "key_format": "int64"}
+`key_format` and `partitioner` default to what the store's nodes publish in Redis; set them when
+the producers' choice must be pinned here.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+
+from common.settings import EnvSettings
+from partitioner import ALGORITHMS, KEY_FORMATS
+
+DEFAULT_ROUTES = '[{"path": "/stores/{store}/keys/{key}"}]'
+
+
+class RouteSpec(BaseModel):
+    """One keyed route as configured; `proxy.routes` compiles it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    path: str = Field(pattern=r"^/")
+    store: str | None = None
+    key: str = "path"  # path | query:<name> | header:<name>
+    key_format: str | None = None
+    partitioner: str | None = None
+
+    @field_validator("key")
+    @classmethod
+    def _key_source(cls, value: str) -> str:
+        kind, _, name = value.partition(":")
+        if value == "path" or (kind in ("query", "header") and name):
+            return value
+        raise ValueError("key must be 'path', 'query:<name>' or 'header:<name>'")
+
+    @field_validator("key_format")
+    @classmethod
+    def _key_format(cls, value: str | None) -> str | None:
+        if value is not None and value not in KEY_FORMATS:
+            raise ValueError(f"key_format must be one of {', '.join(KEY_FORMATS)}")
+        return value
+
+    @field_validator("partitioner")
+    @classmethod
+    def _partitioner(cls, value: str | None) -> str | None:
+        if value is not None and value not in ALGORITHMS:
+            raise ValueError(f"partitioner must be one of {', '.join(ALGORITHMS)}")
+        return value
+
+    @model_validator(mode="after")
+    def _names_key_and_store(self) -> RouteSpec:
+        segments = self.path.strip("/").split("/")
+        if self.key == "path" and "{key}" not in segments:
+            raise ValueError(f"route {self.path}: key is 'path' but the path has no {{key}}")
+        if self.key != "path" and "{key}" in segments:
+            raise ValueError(f"route {self.path}: the key comes from {self.key}, not the path")
+        if (self.store is None) == ("{store}" not in segments):
+            raise ValueError(f"route {self.path}: name the store either in the path or as store")
+        return self
+
+
+class ProxySettings(EnvSettings):
+    host: str = Field(default="127.0.0.1", description="Address the proxy's data port binds to.")
+    port: int = Field(default=8080, ge=0, le=65535, description="The data port (0: any free).")
+    admin_host: str = Field(
+        default="127.0.0.1", description="Address of the admin listener (health, metrics, status)."
+    )
+    admin_port: int = Field(
+        default=8090, ge=0, le=65535, description="Port of the admin listener (0: any free)."
+    )
+    admin_token: SecretStr | None = Field(
+        default=None,
+        description="If set, /metrics and /cluster* on the admin port need "
+        "'Authorization: Bearer <token>'. Printed as ***.",
+    )
+    redis_url: SecretStr = Field(
+        description="Redis holding the routing data, e.g. redis://:password@host:6379/0 or "
+        "rediss:// for TLS. Printed as ***."
+    )
+    redis_ca_file: str | None = Field(
+        default=None, description="CA bundle to verify Redis's TLS certificate (rediss:// URLs)."
+    )
+    cluster: str = Field(
+        default="default",
+        pattern=r"^[A-Za-z0-9_.-]+$",
+        description="Cluster name: the prefix of every Redis key.",
+    )
+    routes: str = Field(
+        default=DEFAULT_ROUTES,
+        description="Keyed routes, JSON: which path segment, query parameter or header holds the "
+        "key, and the store (see proxy/settings.py).",
+    )
+    max_lag: int | None = Field(
+        default=None,
+        ge=0,
+        description="Lag budget in offsets: replicas further behind are not used (unset: none). "
+        "Requests can tighten it with the x-kroute-max-lag header.",
+    )
+    max_lag_ms: int | None = Field(
+        default=None,
+        ge=0,
+        description="Lag budget in milliseconds of time lag (unset: none); header "
+        "x-kroute-max-lag-ms tightens it.",
+    )
+    unknown_lag: Literal["reject", "accept"] = Field(
+        default="reject",
+        description="Under a budget, a replica with no fresh lag report is rejected (a silent "
+        "stale read is worse than a 503) or accepted.",
+    )
+    lag_report_stale_ms: int = Field(
+        default=3000, ge=100, le=600_000, description="A lag report older than this is unknown."
+    )
+    spread: bool = Field(
+        default=False,
+        description="Spread reads over every replica inside the budget instead of preferring "
+        "the active.",
+    )
+    connect_timeout_ms: int = Field(
+        default=500, ge=1, le=60_000, description="Connecting to a node."
+    )
+    upstream_timeout_ms: int = Field(
+        default=2000, ge=1, le=600_000, description="A node's whole response, once connected."
+    )
+    retry_budget_percent: float = Field(
+        default=20.0,
+        ge=0,
+        le=100,
+        description="Failover retries may add at most this share of requests (a retry budget) ...",
+    )
+    min_retries_per_s: float = Field(
+        default=10.0, ge=0, le=1_000_000, description="... plus this many retries a second ..."
+    )
+    retry_burst: int = Field(
+        default=100,
+        ge=0,
+        le=1_000_000,
+        description="... and at most this many at once (a node dying with requests in flight).",
+    )
+    eject_ms: int = Field(
+        default=1000,
+        ge=0,
+        le=600_000,
+        description="A node that failed is not used for at least this long, then until a probe "
+        "of /health/live succeeds and its heartbeat is alive.",
+    )
+    probe_interval_ms: int = Field(
+        default=250, ge=10, le=60_000, description="How often ejected nodes are probed."
+    )
+    refresh_interval_ms: int = Field(
+        default=1000,
+        ge=50,
+        le=600_000,
+        description="Routing table poll from Redis (events trigger refreshes sooner).",
+    )
+    redis_timeout_ms: int = Field(
+        default=1000, ge=10, le=60_000, description="Every Redis command and connect."
+    )
+    request_timeout_ms: int = Field(
+        default=10_000,
+        ge=10,
+        le=600_000,
+        description="A client must send a whole request (headers and body) within this.",
+    )
+    idle_timeout_ms: int = Field(
+        default=30_000, ge=10, le=3_600_000, description="Idle keep-alive client connections."
+    )
+    max_header_bytes: int = Field(
+        default=16_384, ge=256, le=1_048_576, description="Request line plus headers, bytes."
+    )
+    max_headers: int = Field(default=100, ge=1, le=10_000, description="Headers per request.")
+    max_body_bytes: int = Field(
+        default=1_048_576, ge=0, le=1 << 30, description="Request body (413 beyond)."
+    )
+    max_response_bytes: int = Field(
+        default=16_777_216, ge=1024, le=1 << 31, description="A node's response (502 beyond)."
+    )
+    max_connections: int = Field(
+        default=10_000, ge=1, le=1_000_000, description="Client connections held at once."
+    )
+    upstream_idle_per_node: int = Field(
+        default=64, ge=1, le=10_000, description="Idle keep-alive connections kept per node."
+    )
+    allowed_networks: str | None = Field(
+        default=None,
+        description="Comma-separated CIDRs nodes must be in (unset: any registered node); a "
+        "registration outside them is ignored and logged.",
+    )
+    shutdown_timeout_s: float = Field(
+        default=10.0, ge=0, le=600, description="On SIGTERM, how long in-flight requests may run."
+    )
+    access_log: bool = Field(default=False, description="Log every request (costs CPU).")
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        default="info", description="Log level of the proxy's JSON logs."
+    )
+
+    @field_validator("routes")
+    @classmethod
+    def _routes_json(cls, value: str) -> str:
+        parse_routes(value)
+        return value
+
+    @field_validator("allowed_networks")
+    @classmethod
+    def _networks(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_networks(value)
+        return value
+
+    def route_specs(self) -> tuple[RouteSpec, ...]:
+        return parse_routes(self.routes)
+
+    def networks(self) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] | None:
+        return None if self.allowed_networks is None else parse_networks(self.allowed_networks)
+
+
+def parse_routes(text: str) -> tuple[RouteSpec, ...]:
+    try:
+        raw = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"not JSON: {exc}") from None
+    if not isinstance(raw, list) or not raw:
+        raise ValueError("expected a non-empty JSON list of route objects")
+    return tuple(RouteSpec.model_validate(item) for item in raw)
+
+
+def parse_networks(text: str) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+    try:
+        return tuple(
+            ipaddress.ip_network(part.strip(), strict=False) for part in text.split(",") if part
+        )
+    except ValueError as exc:
+        raise ValueError(f"not a list of CIDRs: {exc}") from None

@@ -1,0 +1,77 @@
+"""The cluster status the admin listener shows: JSON (like ksqlDB's /clusterStatus) — pure.
+
+Built from the routing snapshot, the ejected set and the proxy's counters, on request only.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from typing import Any
+
+from proxy.metrics import ProxyMetrics
+from proxy.routing import RoutingSnapshot
+
+
+def cluster_status(
+    snapshot: RoutingSnapshot,
+    *,
+    now_ms: int,
+    ejected: dict[str, int | None],
+    metrics: ProxyMetrics,
+    proxy: dict[str, Any],
+) -> dict[str, Any]:
+    failures: dict[str, int] = {}
+    for (node, _kind), count in metrics.node_failures.items():
+        failures[node] = failures.get(node, 0) + count
+    nodes = {
+        node_id: {
+            "url": url,
+            "alive": node_id in snapshot.alive,
+            "ejected_since_ms": ejected.get(node_id),
+            "requests": metrics.node_requests.get(node_id, 0),
+            "failures": failures.get(node_id, 0),
+        }
+        for node_id, url in sorted(snapshot.node_urls.items())
+    }
+    stores = {}
+    for name, route in snapshot.stores.items():
+        partitions = []
+        for partition, replicas in enumerate(route.replicas):
+            partitions.append(
+                {
+                    "partition": partition,
+                    "replicas": [
+                        {
+                            "node": r.node_id,
+                            "role": r.role,
+                            "alive": r.alive,
+                            "lag": r.lag,
+                            "time_lag_ms": r.time_lag_ms(now_ms),
+                            "report_age_ms": None
+                            if r.reported_at_ms is None
+                            else now_ms - r.reported_at_ms,
+                        }
+                        for r in replicas
+                    ],
+                }
+            )
+        stores[name] = {
+            "topic": route.info.topic,
+            "partitions": route.info.partitions,
+            "key_format": route.info.key_format,
+            "partitioner": route.info.partitioner,
+            "partition_map": partitions,
+        }
+    return {
+        "proxy": proxy,
+        "generation": snapshot.generation,
+        "table_built_at_ms": snapshot.built_at_ms or None,
+        "table_age_ms": now_ms - snapshot.built_at_ms if snapshot.built_at_ms else None,
+        "nodes": nodes,
+        "stores": stores,
+    }
+
+
+def status_page() -> str:
+    """The page a person reads in a browser; it polls /cluster/status every second."""
+    return resources.files("proxy").joinpath("status_page.html").read_text(encoding="utf-8")

@@ -1,0 +1,209 @@
+"""The proxy in front of three real materializer nodes (real Tansu, redis-server and Spark).
+
+Tests run in file order on one cluster: owners answer every key; then an active is killed
+under load; then, with that node still dead (inside its grace period), a survivor's Spark is
+paused so its lag grows, and lag budgets decide who may answer.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from kroute.proxies import ProxyHandle, start_proxy
+from partitioner import partition
+from tests.cluster_helpers import (
+    NODE_NAMES,
+    PARTITIONS,
+    Cluster,
+    build_cluster,
+    spark_jvm_pid,
+    stop_cluster,
+)
+from tests.proxy.test_proxy_loopback import Load
+
+pytestmark = pytest.mark.integration
+
+GRACE_S = 120  # nothing moves during the tests: failover is the standbys' job
+SEED_KEYS = [f"seed-{i}" for i in range(0, 1200, 7)]
+
+
+@pytest.fixture(scope="module")
+def cluster(embedded, broker, tmp_path_factory) -> Iterator[Cluster]:
+    built = build_cluster(embedded, broker, tmp_path_factory.mktemp("proxied"), GRACE_S)
+    try:
+        yield built
+    finally:
+        stop_cluster(built)
+
+
+@pytest.fixture(scope="module")
+def proxy(embedded, cluster) -> Iterator[ProxyHandle]:
+    handle = start_proxy(
+        embedded,
+        cluster.redis_server.url,
+        name=f"proxy-{cluster.keys.cluster}",
+        cluster=cluster.keys.cluster,
+        refresh_interval_ms="200",
+        eject_ms="500",
+        probe_interval_ms="100",
+        wait_ready=False,
+    )
+    try:
+        yield handle
+    finally:
+        handle.process.stop()
+        handle.close()
+
+
+def active_of(cluster: Cluster, key: str) -> tuple[int, str]:
+    chosen = partition(key.encode(), PARTITIONS)
+    active = cluster.assignment().stores["customers"][chosen].active
+    assert active is not None
+    return chosen, active
+
+
+def wait_until_proxy_sees(proxy: ProxyHandle, generation: int, timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proxy.is_ready() and proxy.status()["generation"] == generation:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"proxy did not load generation {generation}: {proxy.status()}")
+
+
+def test_every_key_is_answered_by_its_partitions_owner(cluster, proxy):
+    assignment = cluster.wait_settled(set(NODE_NAMES))
+    wait_until_proxy_sees(proxy, assignment.generation)
+    for key in SEED_KEYS:
+        chosen, active = active_of(cluster, key)
+        response = proxy.get(f"/stores/customers/keys/{key}")
+        assert response.status_code == 200, response.text
+        assert response.headers["x-kroute-node"] == active
+        assert response.headers["x-kroute-partition"] == str(chosen)
+        assert response.headers["x-kroute-role"] == "active"
+        assert "x-kroute-forwarded-by" not in response.headers  # no hop inside the cluster
+        body = response.json()
+        assert (body["node"], body["partition"], body["role"]) == (active, chosen, "active")
+        assert body["key"] == key
+
+
+def test_kill_9_of_an_active_under_load_fails_no_read(cluster, proxy):
+    victim = "b"
+    victim_partitions = set(cluster.assignment().for_node(victim)["customers"]["active"])
+    load = Load(proxy.url, SEED_KEYS, threads=4)
+    time.sleep(1.0)
+    cluster.nodes[victim].process.signal(signal.SIGKILL)
+    cluster.dead = victim
+    time.sleep(4.0)  # past the heartbeat TTL: the table says dead, not just the ejection
+    load.stop()
+    assert load.errors == [], load.errors[:3]
+    assert len(load.statuses) > 200
+    for key in SEED_KEYS:
+        chosen, _ = active_of(cluster, key)
+        if chosen in victim_partitions:
+            response = proxy.get(f"/stores/customers/keys/{key}")
+            assert response.status_code == 200
+            assert response.headers["x-kroute-role"] == "standby"
+            assert response.headers["x-kroute-node"] != victim
+    status = proxy.status()
+    assert status["nodes"][victim]["alive"] is False
+
+
+def test_a_lagging_replica_never_answers_beyond_the_budget(cluster, proxy):
+    paused = "a"
+    assignment = cluster.assignment()
+    jvm = spark_jvm_pid(cluster.nodes[paused])
+    os.kill(jvm, signal.SIGSTOP)  # Spark stops; the node keeps serving and reporting lag
+    try:
+        cluster.produce(600, "lagging")
+        deadline = time.monotonic() + 30
+        lagging: set[int] = set()
+        while time.monotonic() < deadline and not lagging:
+            placed = proxy.status()["stores"]["customers"]["partition_map"]
+            lagging = {
+                entry["partition"]
+                for entry in placed
+                for replica in entry["replicas"]
+                if replica["node"] == paused and (replica["lag"] or 0) > 0
+            }
+            time.sleep(0.2)
+        assert lagging, "the paused node never reported lag"
+        # The other live replicas finish reading the new records (a zero budget is exact).
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            others = [
+                replica["lag"]
+                for entry in proxy.status()["stores"]["customers"]["partition_map"]
+                for replica in entry["replicas"]
+                if replica["node"] not in (paused, "b")
+            ]
+            if others and all(lag == 0 for lag in others):
+                break
+            time.sleep(0.2)
+        answered_by: dict[str, int] = {}
+        refusals = 0
+        for key in SEED_KEYS:
+            response = proxy.get(f"/stores/customers/keys/{key}", headers={"x-kroute-max-lag": "0"})
+            chosen = partition(key.encode(), PARTITIONS)
+            if response.status_code == 200:
+                node = response.headers["x-kroute-node"]
+                answered_by[node] = answered_by.get(node, 0) + 1
+                if chosen in lagging:
+                    assert node != paused, f"{key} answered by the lagging node"
+            else:
+                assert response.status_code == 503, response.text
+                body = response.json()
+                assert body["error"] == "no_replica"
+                reasons = {r["node"]: r["reason"] for r in body["replicas"]}
+                placed = assignment.stores["customers"][chosen]
+                assert set(reasons) == set(placed.replicas()) == {paused, "b"}
+                assert reasons["b"] == "dead"
+                assert reasons[paused].startswith("lag ")
+                assert reasons[paused].endswith("over budget 0")
+                refusals += 1
+        # Partitions whose only live replica is the paused node (b, their other one, is dead)
+        # cannot be served within a zero budget: each such key got the 503 that says why.
+        only_paused = {
+            p
+            for p, placed in assignment.stores["customers"].items()
+            if set(placed.replicas()) == {paused, "b"} and p in lagging
+        }
+        if only_paused:
+            assert refusals > 0
+        # Without a budget the same keys are answered (by the lagging replica, visibly).
+        for key in SEED_KEYS:
+            if partition(key.encode(), PARTITIONS) in only_paused:
+                response = proxy.get(f"/stores/customers/keys/{key}")
+                assert response.status_code == 200
+                assert response.headers["x-kroute-node"] == paused
+                assert int(response.headers["x-kroute-lag"]) > 0
+                break
+    finally:
+        os.kill(jvm, signal.SIGCONT)
+
+
+def test_redis_restarted_empty_while_serving(cluster, proxy):
+    port = cluster.redis_server.port
+    load = Load(proxy.url, SEED_KEYS, threads=3)
+    time.sleep(0.5)
+    cluster.redis_server.process.stop()
+    time.sleep(1.0)
+    cluster.redis_server = cluster.services.start_redis(port=port)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            status = proxy.status()
+        except httpx.HTTPError:
+            status = {"proxy": {"degraded": True}}
+        if not status["proxy"]["degraded"] and status["nodes"].get("a", {}).get("alive"):
+            break
+        time.sleep(0.3)
+    load.stop()
+    assert not proxy.status()["proxy"]["degraded"]
+    assert load.errors == [], load.errors[:3]

@@ -1,0 +1,48 @@
+"""Proxy configuration: every bad variable is named in one clear error."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.settings import SettingsError
+from proxy.settings import ProxySettings
+
+BASE = {"KROUTE_REDIS_URL": "redis://:s3cret@127.0.0.1:6379/0"}
+
+
+def test_defaults_and_secrets():
+    settings = ProxySettings.from_env(BASE)
+    assert settings.port == 8080
+    assert settings.admin_port == 8090
+    assert [spec.path for spec in settings.route_specs()] == ["/stores/{store}/keys/{key}"]
+    assert settings.networks() is None
+    assert "s3cret" not in repr(settings)
+
+
+def test_missing_redis_url_is_named():
+    with pytest.raises(SettingsError, match="KROUTE_REDIS_URL is required"):
+        ProxySettings.from_env({})
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "message"),
+    [
+        ("KROUTE_ROUTES", "not json", "not JSON"),
+        ("KROUTE_ROUTES", "[]", "non-empty JSON list"),
+        ("KROUTE_ROUTES", '[{"path": "/x/{key}"}]', "store"),
+        ("KROUTE_ALLOWED_NETWORKS", "10.0.0.0/8,nonsense", "CIDR"),
+        ("KROUTE_UNKNOWN_LAG", "maybe", "reject"),
+        ("KROUTE_MAX_LAG", "-1", "greater than or equal to 0"),
+        ("KROUTE_PORT", "70000", "less than or equal to 65535"),
+        ("KROUTE_SPREAD", "perhaps", "bool"),
+    ],
+)
+def test_each_bad_value_names_its_variable(variable, value, message):
+    with pytest.raises(SettingsError, match=message) as raised:
+        ProxySettings.from_env({**BASE, variable: value})
+    assert variable in str(raised.value)
+
+
+def test_allowed_networks_parse():
+    settings = ProxySettings.from_env({**BASE, "KROUTE_ALLOWED_NETWORKS": "127.0.0.0/8, ::1/128"})
+    assert [str(n) for n in settings.networks() or ()] == ["127.0.0.0/8", "::1/128"]
