@@ -38,7 +38,7 @@ import redis
 from benchmarks.results_file import git_revision, machine_notes, write_json, write_section
 from benchmarks.wrk import run_wrk
 from common.contract import Keys, StoreInfo
-from kroute.embedded import EmbeddedServices, ManagedProcess, free_port
+from kroute.embedded import EmbeddedServices, ManagedProcess, free_port, port_open
 from kroute.proxies import start_proxy
 from kroute.static_cluster import StaticCluster
 from partitioner import KeyPartitioner
@@ -122,18 +122,8 @@ def start_server(
     services: EmbeddedServices, name: str, command: list[str], port: int
 ) -> ManagedProcess:
     process = services.start_process(name, command)
-    services.await_ready(process, lambda: _listening(port), 10)
+    services.await_ready(process, lambda: port_open(port, 0.2), 10)
     return process
-
-
-def _listening(port: int) -> bool:
-    import socket  # noqa: PLC0415
-
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-    except OSError:
-        return False
-    return True
 
 
 def measure(url: str, pid: int | None, seconds: int, connections: int) -> dict[str, Any]:

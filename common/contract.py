@@ -85,6 +85,11 @@ class Keys:
         return text.rsplit(":", 1)[1]
 
 
+def as_text(value: bytes | str) -> str:
+    """A Redis reply as text (clients return bytes unless told to decode)."""
+    return value.decode() if isinstance(value, bytes) else value
+
+
 def lag_field(store: str, partition: int) -> str:
     return f"{store}/{partition}"
 

@@ -14,6 +14,8 @@ from typing import Any, Self
 from pydantic import BaseModel, ConfigDict, ValidationError
 from pydantic.fields import FieldInfo
 
+from partitioner import ALGORITHMS, KEY_FORMATS
+
 ENV_PREFIX = "KROUTE_"
 
 
@@ -63,3 +65,14 @@ def _describe(error: Any, values: dict[str, Any]) -> str:
     if error["type"] == "missing":
         return f"{variable} is required"
     return f"{variable}={values.get(field)!r}: {error['msg']}"
+
+
+def known_partitioning_choice(field_name: str, value: str) -> str:
+    """Validate a key_format or partitioner setting against what partitioner/ offers.
+
+    The choices live in partitioner/, so settings check them here rather than as Literals.
+    """
+    choices = KEY_FORMATS if field_name == "key_format" else ALGORITHMS
+    if value not in choices:
+        raise ValueError(f"expected one of {', '.join(choices)}")
+    return value

@@ -199,12 +199,7 @@ class EmbeddedServices:
         """
         process = self._spawn(name, command, env)
         if ready is not None:
-            try:
-                self._await_ready(process, 0, lambda _port: ready(), timeout_s)
-            except ServiceStartError:
-                process.stop()
-                self.processes.remove(process)
-                raise
+            self.await_ready(process, ready, timeout_s)
         return process
 
     def await_ready(
@@ -298,11 +293,25 @@ def _redis_ready(port: int) -> bool:
         client.close()
 
 
+def port_open(port: int, timeout_s: float = 0.5) -> bool:
+    """True when something accepts TCP connections on the loopback port."""
+    try:
+        socket.create_connection((LOOPBACK, port), timeout=timeout_s).close()
+    except OSError:
+        return False
+    return True
+
+
+def kroute_environment(**settings: str) -> dict[str, str]:
+    """A child process's environment: ours without KROUTE_*, plus KROUTE_<NAME> settings."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KROUTE_")}
+    env.update({f"KROUTE_{key.upper()}": value for key, value in settings.items()})
+    return env
+
+
 def _kafka_ready(port: int) -> bool:
     """True once the broker answers a Metadata request (not merely accepts TCP)."""
-    try:
-        socket.create_connection((LOOPBACK, port), timeout=0.5).close()
-    except OSError:
+    if not port_open(port):
         return False
     from confluent_kafka.admin import AdminClient  # noqa: PLC0415 - only needed once up
 

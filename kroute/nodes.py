@@ -6,7 +6,6 @@ under the embedded-services launcher (stopped by PID, killed with its owner).
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -15,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from kroute.embedded import EmbeddedServices, ManagedProcess, free_port
+from kroute.embedded import EmbeddedServices, ManagedProcess, free_port, kroute_environment
 
 
 @dataclass
@@ -71,18 +70,14 @@ def node_environment(
     bootstrap: str, topic: str, data_dir: Path, port: int, name: str, **settings: str
 ) -> dict[str, str]:
     """The process environment for a node: ours without KROUTE_*, plus its settings."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KROUTE_")}
-    env.update(
-        {
-            "KROUTE_NODE_ID": name,
-            "KROUTE_BOOTSTRAP_SERVERS": bootstrap,
-            "KROUTE_TOPIC": topic,
-            "KROUTE_PORT": str(port),
-            "KROUTE_DATA_DIR": str(data_dir),
-        }
+    return kroute_environment(
+        node_id=name,
+        bootstrap_servers=bootstrap,
+        topic=topic,
+        port=str(port),
+        data_dir=str(data_dir),
+        **settings,
     )
-    env.update({f"KROUTE_{key.upper()}": value for key, value in settings.items()})
-    return env
 
 
 def start_node(

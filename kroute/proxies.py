@@ -6,14 +6,13 @@ under the embedded-services launcher (stopped by PID, killed with its owner).
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
-from kroute.embedded import EmbeddedServices, ManagedProcess, free_port
+from kroute.embedded import EmbeddedServices, ManagedProcess, free_port, kroute_environment
 
 
 @dataclass
@@ -59,17 +58,14 @@ def start_proxy(
 ) -> ProxyHandle:
     """A proxy on free loopback ports; settings are KROUTE_* names without the prefix."""
     port, admin_port = free_port(), free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KROUTE_")}
-    env.update(
-        {
-            "KROUTE_REDIS_URL": redis_url,
-            "KROUTE_HOST": "127.0.0.1",
-            "KROUTE_PORT": str(port),
-            "KROUTE_ADMIN_HOST": "127.0.0.1",
-            "KROUTE_ADMIN_PORT": str(admin_port),
-        }
+    env = kroute_environment(
+        redis_url=redis_url,
+        host="127.0.0.1",
+        port=str(port),
+        admin_host="127.0.0.1",
+        admin_port=str(admin_port),
+        **settings,
     )
-    env.update({f"KROUTE_{key.upper()}": value for key, value in settings.items()})
     process = services.start_process(name, [sys.executable, "-m", "proxy"], env=env)
     handle = ProxyHandle(process, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}")
     services.await_ready(process, handle.is_ready if wait_ready else handle.is_live, timeout_s)

@@ -32,6 +32,7 @@ from common.contract import (
     NodeInfo,
     PartitionReport,
     StoreInfo,
+    as_text,
     decode_assignment,
     decode_node,
     decode_report,
@@ -199,9 +200,9 @@ class ClusterMember:
         )
         remembered_nodes = {node for placed in placements for node in placed.replicas()}
 
-        registered = {_text(n) for n in await self.redis.smembers(self.keys.nodes)}
+        registered = {as_text(n) for n in await self.redis.smembers(self.keys.nodes)}
         node_ids = sorted(registered | remembered_nodes)
-        store_names = sorted(_text(s) for s in await self.redis.smembers(self.keys.stores))
+        store_names = sorted(as_text(s) for s in await self.redis.smembers(self.keys.stores))
         alive_flags = (
             await self.redis.mget([self.keys.alive(n) for n in node_ids]) if node_ids else []
         )
@@ -230,7 +231,7 @@ class ClusterMember:
         for node_id in node_ids:
             reported = await self.redis.hgetall(self.keys.lag(node_id))
             for lag_key, raw in reported.items():
-                store_name, _, partition = _text(lag_key).rpartition("/")
+                store_name, _, partition = as_text(lag_key).rpartition("/")
                 try:
                     lag[(store_name, int(partition), node_id)] = decode_report(raw).lag
                 except (ContractError, ValueError):
@@ -240,7 +241,7 @@ class ClusterMember:
     async def refresh(self) -> None:
         """Re-read the assignment and who is alive (on a timer, and on every event)."""
         raw = await self.redis.get(self.keys.assignment)
-        node_ids = sorted(_text(n) for n in await self.redis.smembers(self.keys.nodes))
+        node_ids = sorted(as_text(n) for n in await self.redis.smembers(self.keys.nodes))
         if node_ids:
             flags = await self.redis.mget([self.keys.alive(n) for n in node_ids])
             self.alive_nodes = frozenset(
@@ -275,7 +276,3 @@ class ClusterMember:
                         await self.refresh()
             except (aioredis.RedisError, OSError):
                 await asyncio.sleep(self.timing.poll_interval_ms / 1000)
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

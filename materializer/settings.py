@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import Field, SecretStr, ValidationInfo, field_validator
 
-from common.settings import EnvSettings
+from common.settings import EnvSettings, known_partitioning_choice
 from partitioner import ALGORITHMS, KEY_FORMATS
 
 _PARTITION_LIST = re.compile(r"^(all|\d+(-\d+)?(,\d+(-\d+)?)*)$")
@@ -148,11 +148,7 @@ class NodeSettings(EnvSettings):
     @field_validator("key_format", "partitioner")
     @classmethod
     def _known_choice(cls, value: str, info: ValidationInfo) -> str:
-        # The choices live in partitioner/, so they are checked here rather than as Literals.
-        choices = KEY_FORMATS if info.field_name == "key_format" else ALGORITHMS
-        if value not in choices:
-            raise ValueError(f"expected one of {', '.join(choices)}")
-        return value
+        return known_partitioning_choice(str(info.field_name), value)
 
     @property
     def store_name(self) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -72,7 +72,6 @@ class ExchangeContext:
     retry_budget: RetryBudget
     access_log: bool = False
     in_flight: int = 0
-    on_idle: list[Callable[[], None]] = field(default_factory=list)
 
 
 class Exchange:
@@ -282,9 +281,6 @@ class Exchange:
                 ms=round(elapsed * 1000, 3),
             )
         self._respond(message, request.keep_alive)
-        if not ctx.in_flight:
-            for callback in ctx.on_idle:
-                callback()
 
 
 def _rejection(rejection: Rejection) -> dict[str, str]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 from urllib.parse import urlsplit
 
 import structlog
@@ -59,13 +58,11 @@ class RequestHandler:
         policy: ChoicePolicy,
         context: ExchangeContext,
         metrics: ProxyMetrics,
-        access_log: bool,
     ) -> None:
         self.routes = routes
         self.policy = policy
         self.context = context
         self.metrics = metrics
-        self.access_log = access_log
         self.snapshot: RoutingSnapshot = EMPTY
         self._targets: dict[str, Target] = {}
         # (store, partition) -> (choice, candidates ready to send, valid until ms)
@@ -229,9 +226,6 @@ class RequestHandler:
             )
             self._choices[(name, partition)] = (choice, candidates, expires)
         return choice, candidates
-
-    def status(self) -> dict[str, Any]:
-        return {"cached_choices": len(self._choices)}
 
 
 def _header_reader(request: ClientRequest) -> Callable[[str], str | None]:

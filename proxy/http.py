@@ -14,6 +14,7 @@ import re
 from http import HTTPStatus
 from typing import Any
 
+# RFC 9110 §7.6.1: meaningful for one connection only, never passed on.
 HOP_BY_HOP = frozenset(
     {
         b"connection",
@@ -25,6 +26,11 @@ HOP_BY_HOP = frozenset(
         b"trailer",
         b"transfer-encoding",
         b"upgrade",
+    }
+)
+# Request headers the proxy writes itself instead of copying.
+REPLACED_IN_REQUEST = frozenset(
+    {
         b"content-length",  # recomputed
         b"host",  # set to the node's authority; the client's goes in X-Forwarded-Host
         b"x-forwarded-for",  # extended, not copied
@@ -33,8 +39,17 @@ HOP_BY_HOP = frozenset(
     }
 )
 # Provenance headers the proxy sets from its own routing view; a node's copies are dropped.
-PROVENANCE = frozenset({b"x-kroute-node", b"x-kroute-partition", b"x-kroute-role", b"x-kroute-lag"})
-DROP_FROM_RESPONSE = (HOP_BY_HOP - {b"x-forwarded-for", b"x-forwarded-proto"}) | PROVENANCE
+PROVENANCE = frozenset(
+    {
+        b"x-kroute-node",
+        b"x-kroute-partition",
+        b"x-kroute-role",
+        b"x-kroute-lag",
+        b"x-kroute-time-lag-ms",
+    }
+)
+DROP_FROM_REQUEST = HOP_BY_HOP | REPLACED_IN_REQUEST
+DROP_FROM_RESPONSE = HOP_BY_HOP | PROVENANCE | {b"content-length"}
 
 _STATUS_LINES: dict[int, bytes] = {}
 
@@ -75,7 +90,7 @@ def request_head(
     forwarded_for = client_ip.encode()
     host = b""
     for name, value in headers:
-        if name in HOP_BY_HOP or name in named:
+        if name in DROP_FROM_REQUEST or name in named:
             if name == b"x-forwarded-for":
                 forwarded_for = value + b", " + forwarded_for
             elif name == b"host":
@@ -94,12 +109,13 @@ def request_head(
     return b"".join(lines)
 
 
-_DROP_LINE = re.compile(
-    rb"^(?:connection|keep-alive|proxy-connection|proxy-authenticate|proxy-authorization|te|"
-    rb"trailer|transfer-encoding|upgrade|content-length|x-kroute-node|x-kroute-partition|"
-    rb"x-kroute-role|x-kroute-lag|x-kroute-time-lag-ms)[ \t]*:[^\n]*\n",
-    re.IGNORECASE | re.MULTILINE,
-)
+def _header_lines_named(names: frozenset[bytes] | set[bytes]) -> re.Pattern[bytes]:
+    """Matches whole header lines (CRLF included) with any of these names, in any case."""
+    alternatives = b"|".join(re.escape(name) for name in sorted(names))
+    return re.compile(rb"^(?:" + alternatives + rb")[ \t]*:[^\n]*\n", re.IGNORECASE | re.MULTILINE)
+
+
+_DROP_LINE = _header_lines_named(DROP_FROM_RESPONSE)
 _CONNECTION_VALUE = re.compile(rb"^connection[ \t]*:([^\r\n]*)", re.IGNORECASE | re.MULTILINE)
 _PLAIN_CONNECTION_TOKENS = frozenset({b"", b"keep-alive", b"close"})
 

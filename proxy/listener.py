@@ -195,8 +195,7 @@ class ClientConnection(asyncio.Protocol):
             request_id=request_id or self._listener.next_request_id(),
             received_at=time.perf_counter(),
         )
-        self._reset_message()
-        self._headers_done = False
+        self._headers_done = False  # the rest is reset when the next message begins
         if self.busy:
             self._queue.append(request)
             if len(self._queue) >= _MAX_QUEUED and self.transport is not None:

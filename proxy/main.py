@@ -96,7 +96,6 @@ class Proxy:
             ),
             context=context,
             metrics=self.metrics,
-            access_log=settings.access_log,
         )
         self.listener = Listener(
             self.handler,

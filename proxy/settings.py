@@ -15,10 +15,17 @@ import ipaddress
 import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
-from common.settings import EnvSettings
-from partitioner import ALGORITHMS, KEY_FORMATS
+from common.settings import EnvSettings, known_partitioning_choice
 
 DEFAULT_ROUTES = '[{"path": "/stores/{store}/keys/{key}"}]'
 
@@ -42,19 +49,10 @@ class RouteSpec(BaseModel):
             return value
         raise ValueError("key must be 'path', 'query:<name>' or 'header:<name>'")
 
-    @field_validator("key_format")
+    @field_validator("key_format", "partitioner")
     @classmethod
-    def _key_format(cls, value: str | None) -> str | None:
-        if value is not None and value not in KEY_FORMATS:
-            raise ValueError(f"key_format must be one of {', '.join(KEY_FORMATS)}")
-        return value
-
-    @field_validator("partitioner")
-    @classmethod
-    def _partitioner(cls, value: str | None) -> str | None:
-        if value is not None and value not in ALGORITHMS:
-            raise ValueError(f"partitioner must be one of {', '.join(ALGORITHMS)}")
-        return value
+    def _known_choice(cls, value: str | None, info: ValidationInfo) -> str | None:
+        return None if value is None else known_partitioning_choice(str(info.field_name), value)
 
     @model_validator(mode="after")
     def _names_key_and_store(self) -> RouteSpec:

@@ -27,6 +27,7 @@ from common.contract import (
     NodeInfo,
     PartitionReport,
     StoreInfo,
+    as_text,
     decode_assignment,
     decode_hosting,
     decode_node,
@@ -147,8 +148,8 @@ class TableWatcher:
             pipe.smembers(keys.stores)
             pipe.get(keys.assignment)
             node_set, store_set, raw_assignment = await pipe.execute()
-        node_ids = sorted(_text(n) for n in node_set)
-        store_names = sorted(_text(s) for s in store_set)
+        node_ids = sorted(as_text(n) for n in node_set)
+        store_names = sorted(as_text(s) for s in store_set)
         async with self.redis.pipeline(transaction=False) as pipe:
             for node_id in node_ids:
                 pipe.get(keys.node(node_id))
@@ -174,7 +175,7 @@ class TableWatcher:
             if hosting is not None:
                 hostings[node_id] = hosting
             for raw_field, raw_report in raw_lag.items():
-                store, _, partition = _text(raw_field).rpartition("/")
+                store, _, partition = as_text(raw_field).rpartition("/")
                 report = self._decoded(decode_report, raw_report, f"lag:{node_id}")
                 if report is not None and partition.isdigit():
                     reports[(node_id, store, int(partition))] = report
@@ -253,7 +254,3 @@ class TableWatcher:
 
 def _placed(snapshot: RoutingSnapshot) -> int:
     return sum(len(replicas) for route in snapshot.stores.values() for replicas in route.replicas)
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
