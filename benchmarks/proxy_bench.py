@@ -8,12 +8,15 @@ three ports) stand for three nodes. wrk (1 thread, varying keys) drives in turn:
   nginx    nginx, one worker, round robin, upstream keepalive
   kroute   the kroute proxy: key -> murmur2 partition -> replica choice under a lag budget
            -> forward over its pool, with metrics, provenance headers and limits all on
+  kroute-python  the same proxy with KROUTE_HOT_PATH=false: every request through the Python
+           path (what the C path in proxy/_hotpath.c saves)
 
 The backends are registered in Redis as a static cluster (12 partitions, one standby each),
 with lag reports refreshed every second so the lag budget is really checked. Systems are
 measured in rounds, interleaved, so drift on this noisy 2-core machine hits all of them alike.
 CPU per request is the proxy process's user+system time from /proc over the requests wrk
-counted. The share of that spent computing partitions is the in-process cost of
+counted; resident memory (VmRSS) is read after each round, so growth across rounds would show a
+leak. The share of that spent computing partitions is the in-process cost of
 KeyPartitioner.partition_of over the same key distribution, divided by kroute's CPU/request.
 
 Usage: .venv/bin/python -m benchmarks.proxy_bench [--seconds 8] [--rounds 3] [--connections 50]
@@ -49,6 +52,13 @@ KEYS = 100_000
 PATH_PREFIX = "/stores/bench/keys/customer-"
 TICKS = os.sysconf("SC_CLK_TCK")
 BODY = '{"store":"bench","value":{"plan":"gold","visits":7}}'
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return round(int(line.split()[1]) / 1024, 1)
+    return 0.0
 
 
 def cpu_seconds(pid: int) -> float:
@@ -134,6 +144,7 @@ def measure(url: str, pid: int | None, seconds: int, connections: int) -> dict[s
     if pid:
         used = cpu_seconds(pid) - before
         figures["cpu_us_per_req"] = round(used * 1e6 / max(figures["requests"], 1), 2)
+        figures["rss_mb"] = rss_mb(pid)
     return figures
 
 
@@ -154,7 +165,7 @@ def keep_reports_fresh(cluster: StaticCluster, client: redis.Redis, stop: thread
 
 
 def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
-    keys = ("rps", "p50_ms", "p99_ms", "cpu_us_per_req")
+    keys = ("rps", "p50_ms", "p99_ms", "cpu_us_per_req", "rss_mb")
     summary = {
         key: round(statistics.median(r[key] for r in rounds), 3) for key in keys if key in rounds[0]
     }
@@ -220,13 +231,18 @@ def main() -> int:
             target=keep_reports_fresh, args=(cluster, client, stop), daemon=True
         )
         refresher.start()
-        kroute = start_proxy(
-            services,
-            redis_server.url,
-            cluster="bench",
-            max_lag="1000",
-            max_lag_ms="60000",
-            log_level="warning",
+        kroute, kroute_python = (
+            start_proxy(
+                services,
+                redis_server.url,
+                name=name,
+                cluster="bench",
+                max_lag="1000",
+                max_lag_ms="60000",
+                log_level="warning",
+                hot_path=hot_path,
+            )
+            for name, hot_path in (("kroute", "true"), ("kroute-python", "false"))
         )
 
         systems = {
@@ -234,6 +250,7 @@ def main() -> int:
             "haproxy": (f"http://127.0.0.1:{haproxy_port}", haproxy_process.pid),
             "nginx": (f"http://127.0.0.1:{nginx_port}", nginx_process.pid),
             "kroute": (kroute.url, kroute.process.pid),
+            "kroute-python": (kroute_python.url, kroute_python.process.pid),
         }
         for url, _ in systems.values():  # warm up connections and caches
             run_wrk(url, 1, connections=args.connections, path_prefix=PATH_PREFIX, keys=KEYS)
@@ -245,6 +262,7 @@ def main() -> int:
         stop.set()
         kroute_metrics = kroute.admin("/metrics").text
         kroute.close()
+        kroute_python.close()
     step_ns = partition_step_ns()
     summary = {name: summarize(rounds) for name, rounds in results.items()}
     return report(summary, step_ns, args, kroute_metrics)
@@ -259,6 +277,7 @@ def report(
         "kroute_vs_nginx_rps": round(kroute["rps"] / summary["nginx"]["rps"], 3),
         "kroute_vs_haproxy_p99": round(kroute["p99_ms"] / haproxy["p99_ms"], 3),
         "kroute_vs_haproxy_cpu": round(kroute["cpu_us_per_req"] / haproxy["cpu_us_per_req"], 3),
+        "kroute_vs_python_path_rps": round(kroute["rps"] / summary["kroute-python"]["rps"], 3),
     }
     share = step_ns / 1000 / kroute["cpu_us_per_req"]
     command = (
@@ -276,11 +295,13 @@ def report(
         "kroute_keyed_200s": _metric(
             metrics, 'kroute_proxy_responses_total{kind="keyed",status="200"}'
         ),
+        "kroute_hot_path_requests": _metric(metrics, "kroute_proxy_hot_path_requests_total"),
     }
+    hot_share = (data["kroute_hot_path_requests"] or 0) / max(data["kroute_keyed_200s"] or 1, 1)
     write_json("proxy", data)
     rows = "\n".join(
         f"| {name} | {s['rps']:,.0f} | {s['p50_ms']:.2f} | {s['p99_ms']:.2f} | "
-        f"{s.get('cpu_us_per_req', '—')} | {s['non_2xx']} |"
+        f"{s.get('cpu_us_per_req', '—')} | {s.get('rss_mb', '—')} | {s['non_2xx']} |"
         for name, s in summary.items()
     )
     markdown = f"""## Proxy: kroute vs HAProxy vs nginx (issue #5)
@@ -294,13 +315,16 @@ one worker, round robin. kroute: every feature on (murmur2 routing, replica choi
 budget of 1,000 offsets / 60 s, provenance headers, metrics, limits). CPU/request is the proxy
 process's user+system time over the requests served.
 
-| system | requests/s | p50 ms | p99 ms | CPU µs/request | non-2xx |
-|---|---:|---:|---:|---:|---:|
+| system | requests/s | p50 ms | p99 ms | CPU µs/request | RSS MB | non-2xx |
+|---|---:|---:|---:|---:|---:|---:|
 {rows}
 
 Ratios: kroute/HAProxy throughput **{ratios["kroute_vs_haproxy_rps"]}**, p99
 **{ratios["kroute_vs_haproxy_p99"]}**, CPU/request **{ratios["kroute_vs_haproxy_cpu"]}**;
-kroute/nginx throughput **{ratios["kroute_vs_nginx_rps"]}**.
+kroute/nginx throughput **{ratios["kroute_vs_nginx_rps"]}**. The C path (proxy/_hotpath.c)
+served {hot_share:.1%} of kroute's keyed 200s; kroute forwards
+{ratios["kroute_vs_python_path_rps"]}x as many requests a second as the same proxy with it
+switched off (kroute-python).
 
 The partition step (KeyPartitioner.partition_of on these keys, in-process) costs
 {step_ns:.0f} ns, {share:.1%} of kroute's CPU per request.

@@ -6,6 +6,11 @@ Failover happens only for idempotent requests, only on failures that say nothing
 (connect failed, connection reset, timeout, unparsable response) or on a node's 421 ("not
 mine": the table is refreshed), and only within the retry budget (`proxy.retry_budget`), so a
 sick cluster is not hit with a multiple of its load.
+
+A request the C path (`proxy._hotpath`) forwarded is adopted by an exchange here when it
+cannot be finished in C (a failure, a 421, a response that is not whole and simple):
+`adopt_fast_request` rebuilds the exchange from what the connection kept and it goes on as if
+it had started here.
 """
 
 from __future__ import annotations
@@ -18,20 +23,18 @@ from typing import Any
 import structlog
 
 from common.clock import now_ms
+from proxy._hotpath import Cached, Candidate
 from proxy.choice import LagBudget, Rejection, Replica
 from proxy.errors import UpstreamFailure
 from proxy.health import Ejections
 from proxy.http import ClientRequest, json_response, request_head, response_bytes
 from proxy.metrics import ProxyMetrics
 from proxy.retry_budget import RetryBudget
-from proxy.upstream import UpstreamPool, UpstreamResponse
+from proxy.upstream import Done, UpstreamConnection, UpstreamPool, UpstreamResponse
 
 log = structlog.get_logger("kroute.proxy.exchange")
 
 Respond = Callable[[bytes, bool], None]
-# Where to send, the replica as the table saw it (None when not keyed), and the provenance
-# header lines for an answer from it (built once per table and choice, not per request).
-Candidate = tuple["Target", Replica | None, bytes]
 
 
 def provenance_lines(node_id: str, partition: int, replica: Replica) -> bytes:
@@ -116,6 +119,43 @@ class Exchange:
         self._tried: list[dict[str, str]] = []
         self._head = b""
 
+    @classmethod
+    def adopt(cls, ctx: ExchangeContext, connection: UpstreamConnection) -> Done:
+        """Take over the request the C path forwarded on this connection; returns the
+        callback for its outcome. The C path already counted the attempt and the deposit."""
+        cached: Cached = connection.fast_cached
+        shift = connection.fast_shift
+        candidates = list(cached.candidates)
+        head: bytes = connection.fast_head
+        client = connection.fast_client
+        request = ClientRequest(
+            method="HEAD" if connection.fast_head_only else "GET",
+            target=head.split(b" ", 2)[1].decode("ascii"),
+            path="",
+            query=None,
+            headers=[],
+            body=b"",
+            client_ip=client._client_ip,
+            keep_alive=bool(connection.fast_keep_alive),
+            request_id=connection.fast_request_id,
+            received_at=connection.fast_received_at,
+        )
+        exchange = cls(
+            ctx,
+            request,
+            client.respond,
+            targets=candidates[shift:] + candidates[:shift],
+            store=connection.fast_store.decode(),
+            partition=connection.fast_partition,
+            rejected=cached.choice.rejected,
+            budget=None,
+            idempotent=True,
+        )
+        exchange._head = head
+        connection.release_fast()
+        ctx.in_flight += 1
+        return exchange._on_done
+
     def start(self) -> None:
         if not self.targets:
             self._no_candidates()
@@ -134,17 +174,16 @@ class Exchange:
         self._send()
 
     def _send(self) -> None:
-        target, replica, _ = self.targets[self._attempt]
-        ctx = self._ctx
-        if replica is not None and self.store is not None and self.partition is not None:
-            ctx.metrics.chose(self.store, self.partition, target.node_id, replica.role)
-        else:
-            ctx.metrics.sent_to(target.node_id)
+        candidate = self.targets[self._attempt]
+        if candidate.choice_tally is not None:
+            candidate.choice_tally.value += 1
+        candidate.node_tally.value += 1
+        target = candidate.target
         message = self._head + target.host_line + b"\r\n" + self._request.body
-        ctx.pool.send(target.origin, message, self._on_done)
+        self._ctx.pool.send(target.origin, message, self._on_done)
 
     def _on_done(self, response: UpstreamResponse | None, failure: UpstreamFailure | None) -> None:
-        target = self.targets[self._attempt][0]
+        target = self.targets[self._attempt].target
         if failure is not None:
             self._failed(target, failure)
         elif response is not None and response.status == 421 and self.store is not None:
@@ -168,7 +207,7 @@ class Exchange:
                 request_id=self._request.request_id.decode(),
                 failed_node=target.node_id,
                 reason=failure.kind,
-                next_node=self.targets[self._attempt][0].node_id,
+                next_node=self.targets[self._attempt].target.node_id,
                 partition=self.partition,
             )
             return
@@ -206,9 +245,10 @@ class Exchange:
         return True
 
     def _answer(self, response: UpstreamResponse) -> None:
-        target, replica, provenance = self.targets[self._attempt]
+        candidate = self.targets[self._attempt]
+        replica: Replica | None = candidate.replica
         request = self._request
-        extra = provenance or target.node_line
+        extra = candidate.provenance or candidate.target.node_line
         if replica is not None and replica.lag:
             time_lag = replica.time_lag_ms(now_ms())
             if time_lag is not None:
@@ -275,7 +315,7 @@ class Exchange:
                 method=request.method,
                 target=request.target,
                 status=status,
-                node=self.targets[self._attempt][0].node_id if self.targets else None,
+                node=self.targets[self._attempt].target.node_id if self.targets else None,
                 partition=self.partition,
                 attempts=self._attempt + 1,
                 ms=round(elapsed * 1000, 3),

@@ -5,6 +5,10 @@ order `choose_replicas` gives; others go to any live registered node, round robi
 read the current snapshot once. The choice for (store, partition) under the configured budget
 is cached until the snapshot or the ejected set changes, or until time alone could change it
 (`choice_expires_at`); a request that tightens the budget by header computes its own.
+
+The caches and the stores' partitioners are shared with the C path (`proxy._hotpath.Hub`),
+which serves cached choices itself; a choice it finds missing or expired sends the request
+here, which computes and caches it.
 """
 
 from __future__ import annotations
@@ -18,7 +22,15 @@ import structlog
 
 from common.clock import now_ms
 from partitioner import KeyFormatError, KeyPartitioner
-from proxy.choice import Choice, LagBudget, UnknownLagPolicy, choice_expires_at, choose_replicas
+from proxy._hotpath import Cached, Candidate, Hub
+from proxy.choice import (
+    Choice,
+    LagBudget,
+    Replica,
+    UnknownLagPolicy,
+    choice_expires_at,
+    choose_replicas,
+)
 from proxy.errors import (
     BadRequest,
     KeyRejected,
@@ -26,7 +38,7 @@ from proxy.errors import (
     RequestRejected,
     UnknownStore,
 )
-from proxy.exchange import Candidate, Exchange, ExchangeContext, Target, provenance_lines
+from proxy.exchange import Exchange, ExchangeContext, Target, provenance_lines
 from proxy.http import ClientRequest, json_response
 from proxy.metrics import ProxyMetrics
 from proxy.routes import CompiledRoute, KeyedRequest, RouteTable
@@ -58,17 +70,21 @@ class RequestHandler:
         policy: ChoicePolicy,
         context: ExchangeContext,
         metrics: ProxyMetrics,
+        hub: Hub,
     ) -> None:
         self.routes = routes
         self.policy = policy
         self.context = context
         self.metrics = metrics
+        self.hub = hub
         self.snapshot: RoutingSnapshot = EMPTY
         self._targets: dict[str, Target] = {}
-        # (store, partition) -> (choice, candidates ready to send, valid until ms)
-        self._choices: dict[tuple[str, int], tuple[Choice, list[Candidate], int]] = {}
+        self._plain: dict[str, Candidate] = {}  # node -> candidate for passthrough requests
+        # store -> per partition: the cached choice (Cached) or None; shared with the hub
+        self._choices: dict[str, list[Cached | None]] = {}
         self._route_partitioners: dict[tuple[int, int], KeyPartitioner] = {}
         self._counter = 0
+        hub.set_routes(routes.hot_path_routes())
 
     # -- table and health changes (from the watcher and the ejections) -------------------------
 
@@ -80,11 +96,43 @@ class RequestHandler:
             assert parts.port is not None
             targets[node_id] = Target.build(node_id, url, parts.hostname, parts.port)
         self._targets = targets
+        self._plain = {node_id: self._candidate(target) for node_id, target in targets.items()}
         self.snapshot = snapshot
-        self._choices = {}
+        stores = snapshot.stores
+        self._choices = {name: [None] * store.info.partitions for name, store in stores.items()}
+        routes = self.routes.routes
+        self.hub.set_stores(
+            [
+                (
+                    name.encode(),
+                    tuple(self._partitioner(route, store).partition_of for route in routes),
+                    self._choices[name],
+                )
+                for name, store in stores.items()
+            ]
+        )
 
     def forget_choices(self) -> None:
-        self._choices = {}
+        for cache in self._choices.values():
+            cache[:] = [None] * len(cache)  # in place: the hub holds these lists
+
+    def _candidate(
+        self, target: Target, replica: Replica | None = None, store: str = "", partition: int = 0
+    ) -> Candidate:
+        metrics = self.metrics
+        return Candidate(
+            target,
+            replica,
+            b"" if replica is None else provenance_lines(target.node_id, partition, replica),
+            self.context.pool.idle_list(target.origin),
+            target.host_line,
+            None
+            if replica is None
+            else metrics.choice_tally(store, partition, target.node_id, replica.role),
+            metrics.node_tally(target.node_id),
+            -1 if replica is None or replica.lag is None else replica.lag,
+            -1 if replica is None or replica.caught_up_at_ms is None else replica.caught_up_at_ms,
+        )
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -152,8 +200,9 @@ class RequestHandler:
         ).start()
 
     def _passthrough(self, request: ClientRequest, respond: Respond) -> None:
-        live = [self._targets[n] for n in sorted(self.snapshot.alive) if n in self._targets]
-        live = [t for t in live if t.node_id not in self.context.ejections.ejected] or live
+        live = [self._plain[n] for n in sorted(self.snapshot.alive) if n in self._plain]
+        ejected = self.context.ejections.ejected
+        live = [c for c in live if c.target.node_id not in ejected] or live
         if live:
             self._counter += 1
             shift = self._counter % len(live)
@@ -162,7 +211,7 @@ class RequestHandler:
             self.context,
             request,
             respond,
-            targets=[(target, None, b"") for target in live],
+            targets=live,
             store=None,
             partition=None,
             rejected=(),
@@ -202,10 +251,11 @@ class RequestHandler:
     ) -> tuple[Choice, list[Candidate]]:
         at = now_ms()
         policy = self.policy
+        cache = self._choices[name]
         if budget is None:
-            cached = self._choices.get((name, partition))
-            if cached is not None and at < cached[2]:
-                return cached[0], cached[1]
+            cached = cache[partition]
+            if cached is not None and at < cached.expires_ms:
+                return cached.choice, list(cached.candidates)
         replicas = store.replicas[partition]
         effective = budget or policy.budget
         choice = choose_replicas(
@@ -216,15 +266,14 @@ class RequestHandler:
             unknown_lag=policy.unknown_lag,
             stale_after_ms=policy.stale_after_ms,
         )
-        candidates: list[Candidate] = [
-            (self._targets[r.node_id], r, provenance_lines(r.node_id, partition, r))
-            for r in choice.candidates
+        candidates = [
+            self._candidate(self._targets[r.node_id], r, name, partition) for r in choice.candidates
         ]
         if budget is None:
             expires = choice_expires_at(
                 replicas, effective, now_ms=at, stale_after_ms=policy.stale_after_ms
             )
-            self._choices[(name, partition)] = (choice, candidates, expires)
+            cache[partition] = Cached(choice, tuple(candidates), expires)
         return choice, candidates
 
 

@@ -66,6 +66,11 @@ def status_line(status: int) -> bytes:
     return line
 
 
+def status_lines() -> dict[int, bytes]:
+    """Every status line the C path may send, as status_line writes them."""
+    return {int(status): status_line(int(status)) for status in HTTPStatus}
+
+
 def connection_named(headers: list[tuple[bytes, bytes]]) -> frozenset[bytes]:
     """Header names listed in Connection: hop-by-hop for this message only."""
     named: set[bytes] = set()

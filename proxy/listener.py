@@ -7,12 +7,15 @@ body size, and two deadlines kept by one sweeper instead of a timer per request 
 request must arrive within `request_timeout` (a slow client cannot hold a connection), and an
 idle keep-alive connection is closed after `idle_timeout`. A request the proxy refuses gets a
 JSON 4xx and is never forwarded.
+
+`ClientConnection` extends the C half from `proxy._hotpath`, whose data_received forwards the
+common case itself (a whole keyed GET/HEAD in one read, with a cached choice and an idle node
+connection) and hands everything else, unchanged, to `slow_data_received` here.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import time
 from collections import deque
@@ -22,6 +25,7 @@ from typing import Any, cast
 import httptools
 import structlog
 
+from proxy._hotpath import ClientBase, Hub
 from proxy.errors import BadRequest, MethodNotAllowed, RequestRejected, TooLarge
 from proxy.handler import RequestHandler
 from proxy.http import ClientRequest, json_response
@@ -43,18 +47,19 @@ class Limits:
     max_connections: int
 
 
-class ClientConnection(asyncio.Protocol):
+class ClientConnection(ClientBase, asyncio.Protocol):
+    """One client connection. From the C half: transport, closed, busy, reading (inside a
+    message the Python parser is reading), attention (the Python side must see each response
+    end: requests are queued or the proxy is stopping), deadline, hub, client_ip_bytes."""
+
     def __init__(self, listener: Listener) -> None:
         self._listener = listener
         self._limits = listener.limits
         self._handler = listener.handler
+        self.hub = listener.hub
+        self._ids = listener.hub
         self._parser = httptools.HttpRequestParser(self)
-        self.transport: asyncio.Transport | None = None
         self._client_ip = "unknown"
-        self.busy = False
-        self.closed = False
-        self.deadline = 0.0
-        self._reading_request = False
         self._queue: deque[ClientRequest] = deque()
         self._paused = False
         self._reset_message()
@@ -77,6 +82,7 @@ class ClientConnection(asyncio.Protocol):
         peer = transport.get_extra_info("peername")
         if peer:
             self._client_ip = str(peer[0])
+        self.client_ip_bytes = self._client_ip.encode()
         listener = self._listener
         if len(listener.connections) >= self._limits.max_connections or listener.closing:
             self._refuse_and_close(
@@ -93,7 +99,7 @@ class ClientConnection(asyncio.Protocol):
         self.closed = True
         self._listener.connections.discard(self)
 
-    def data_received(self, data: bytes) -> None:
+    def slow_data_received(self, data: bytes) -> None:
         if self.closed:
             return
         if not self._headers_done:
@@ -105,7 +111,8 @@ class ClientConnection(asyncio.Protocol):
             return
         except httptools.HttpParserError as exc:
             rejection = self._rejection or _parse_error(exc)
-            self._reject_and_close(rejection)
+            method_known = not isinstance(exc, httptools.HttpParserInvalidMethodError)
+            self._reject_and_close(rejection, method_known=method_known)
             return
         if not self._headers_done and self._head_bytes > self._limits.max_header_bytes:
             self._reject_and_close(
@@ -119,7 +126,7 @@ class ClientConnection(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         self._reset_message()
-        self._reading_request = True
+        self.reading = True
         self.deadline = self._listener.clock() + self._limits.request_timeout_s
 
     def on_url(self, url: bytes) -> None:
@@ -171,7 +178,7 @@ class ClientConnection(asyncio.Protocol):
         self._body.append(body)
 
     def on_message_complete(self) -> None:
-        self._reading_request = False
+        self.reading = False
         parser = self._parser
         method = parser.get_method().decode("ascii", "replace")
         request_id = None
@@ -192,12 +199,13 @@ class ClientConnection(asyncio.Protocol):
             body=b"".join(self._body),
             client_ip=self._client_ip,
             keep_alive=parser.should_keep_alive(),
-            request_id=request_id or self._listener.next_request_id(),
+            request_id=request_id or self._ids.next_request_id(),
             received_at=time.perf_counter(),
         )
         self._headers_done = False  # the rest is reset when the next message begins
         if self.busy:
             self._queue.append(request)
+            self.attention = True
             if len(self._queue) >= _MAX_QUEUED and self.transport is not None:
                 self.transport.pause_reading()
                 self._paused = True
@@ -230,36 +238,50 @@ class ClientConnection(asyncio.Protocol):
             return
         self.transport.write(message)
         self.busy = False
+        self.after_fast_response(keep_alive)
+
+    def after_fast_response(self, keep_alive: bool) -> None:
+        """After a response is written (by respond, or by the C path when attention is set):
+        close, serve the next queued request, or wait for the next one."""
         if not keep_alive or self._listener.closing:
             self._close()
             return
         if self._queue:
-            if self._paused and len(self._queue) < _MAX_QUEUED:
+            if self._paused and len(self._queue) < _MAX_QUEUED and self.transport is not None:
                 self.transport.resume_reading()
                 self._paused = False
-            self._dispatch(self._queue.popleft())
+            request = self._queue.popleft()
+            self.attention = bool(self._queue)
+            self._dispatch(request)
             return
-        if not self._reading_request:
+        self.attention = False
+        if not self.reading:
             self.deadline = self._listener.clock() + self._limits.idle_timeout_s
 
-    def _reject_and_close(self, rejection: RequestRejected) -> None:
+    def _reject_and_close(self, rejection: RequestRejected, *, method_known: bool = True) -> None:
         """A request that cannot be parsed or is over a limit: answer if we may, then close."""
         ProxyMetrics.bump(self._handler.metrics.rejected, rejection.code)
         if not self.busy:
-            self._refuse_and_close(rejection.status, rejection.payload())
+            # A HEAD request's answer has no body, even a refusal (a partly read method
+            # reads as method 0, DELETE, so only a whole "HEAD" counts).
+            head_only = bool(method_known and self.reading) and self._parser.get_method() == b"HEAD"
+            self._refuse_and_close(rejection.status, rejection.payload(), head_only=head_only)
         else:
             self._close()
 
-    def _refuse_and_close(self, status: int, payload: dict[str, Any]) -> None:
+    def _refuse_and_close(
+        self, status: int, payload: dict[str, Any], *, head_only: bool = False
+    ) -> None:
         if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(json_response(status, payload, keep_alive=False))
+            response = json_response(status, payload, keep_alive=False, head_only=head_only)
+            self.transport.write(response)
         self._close()
 
     def expire(self, now: float) -> None:
         """The sweeper found this connection past its deadline."""
         if self.busy:
             return  # waiting on a node: the upstream timeout bounds it
-        if self._reading_request:
+        if self.reading:
             self._refuse_and_close(
                 408,
                 {
@@ -267,12 +289,13 @@ class ClientConnection(asyncio.Protocol):
                     "detail": "the whole request did not arrive within "
                     f"{self._limits.request_timeout_s * 1000:.0f} ms",
                 },
+                head_only=self._parser.get_method() == b"HEAD",
             )
         else:
             self._close()
 
     def close_if_idle(self) -> None:
-        if not self.busy and not self._reading_request:
+        if not self.busy and not self.reading:
             self._close()
 
     def _close(self) -> None:
@@ -297,21 +320,16 @@ def _parse_error(exc: httptools.HttpParserError) -> RequestRejected:
 class Listener:
     """The data port's server: accepts connections, sweeps deadlines, shuts down gracefully."""
 
-    def __init__(self, handler: RequestHandler, limits: Limits) -> None:
+    def __init__(self, handler: RequestHandler, limits: Limits, hub: Hub) -> None:
         self.handler = handler
         self.limits = limits
+        self.hub = hub
         self.connections: set[ClientConnection] = set()
         self.closing = False
         self._server: asyncio.Server | None = None
         self._sweeper: asyncio.Task[None] | None = None
         self._loop = asyncio.get_running_loop()
-        self.clock = self._loop.time
-        self._id_prefix = os.urandom(4).hex()
-        self._id_counter = 0
-
-    def next_request_id(self) -> bytes:
-        self._id_counter += 1
-        return f"{self._id_prefix}-{self._id_counter:x}".encode()
+        self.clock = time.monotonic  # the clock of the C half's deadlines too
 
     async def start(self, host: str, port: int) -> tuple[str, int]:
         self._server = await self._loop.create_server(
@@ -338,6 +356,7 @@ class Listener:
         if self._server is not None:
             self._server.close()
         for connection in list(self.connections):
+            connection.attention = True  # each response end closes its connection
             connection.close_if_idle()
         deadline = self.clock() + timeout_s
         while any(c.busy for c in self.connections) and self.clock() < deadline:  # noqa: ASYNC110

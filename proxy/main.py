@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import sys
 from collections.abc import Iterator
@@ -22,11 +23,13 @@ from common.clock import now_ms
 from common.contract import Keys
 from common.logging import configure_logging
 from common.settings import SettingsError
+from proxy._hotpath import Hub
 from proxy.admin import AdminApp
 from proxy.choice import LagBudget
-from proxy.exchange import ExchangeContext
+from proxy.exchange import Exchange, ExchangeContext
 from proxy.handler import ChoicePolicy, RequestHandler
 from proxy.health import Ejections
+from proxy.http import status_lines
 from proxy.listener import Limits, Listener
 from proxy.metrics import MetricsCollector, ProxyMetrics
 from proxy.retry_budget import RetryBudget
@@ -57,7 +60,22 @@ class Proxy:
             socket_connect_timeout=settings.redis_timeout_ms / 1000,
             **({"ssl_ca_certs": settings.redis_ca_file} if settings.redis_ca_file else {}),
         )
+        # The C path serves the common case; with the access log on, every request takes the
+        # Python path (which logs each one).
+        self.hub = Hub(
+            status_lines=status_lines(),
+            id_prefix=os.urandom(4).hex().encode(),
+            response_timeout_s=settings.upstream_timeout_ms / 1000,
+            idle_timeout_s=settings.idle_timeout_ms / 1000,
+            max_response_bytes=settings.max_response_bytes,
+            max_request_bytes=settings.max_header_bytes,
+            max_headers=settings.max_headers,
+            idle_per_origin=settings.upstream_idle_per_node,
+            spread=settings.spread,
+        )
+        self.hub.enabled = settings.hot_path and not settings.access_log
         self.pool = UpstreamPool(
+            hub=self.hub,
             connect_timeout_s=settings.connect_timeout_ms / 1000,
             response_timeout_s=settings.upstream_timeout_ms / 1000,
             idle_per_origin=settings.upstream_idle_per_node,
@@ -83,6 +101,7 @@ class Proxy:
                 percent=settings.retry_budget_percent,
                 min_per_s=settings.min_retries_per_s,
                 burst=settings.retry_burst,
+                pending=self.hub.take_deposits,
             ),
             access_log=settings.access_log,
         )
@@ -96,6 +115,7 @@ class Proxy:
             ),
             context=context,
             metrics=self.metrics,
+            hub=self.hub,
         )
         self.listener = Listener(
             self.handler,
@@ -107,12 +127,14 @@ class Proxy:
                 idle_timeout_s=settings.idle_timeout_ms / 1000,
                 max_connections=settings.max_connections,
             ),
+            self.hub,
         )
         self.context = context
+        self.pool.adopt = lambda connection: Exchange.adopt(context, connection)
         self.ejections.on_change = self.handler.forget_choices
         self.watcher.on_snapshot = self.handler.use_snapshot
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(MetricsCollector(self.metrics, self._gauges))
+        self.registry.register(MetricsCollector(self.metrics, self._gauges, self.hub.stats))
 
     def stop(self) -> None:
         self._stop.set()
@@ -129,7 +151,7 @@ class Proxy:
             "nodes_alive": len(snapshot.alive),
             "nodes_ejected": len(self.ejections.ejected),
             "client_connections": len(self.listener.connections),
-            "requests_in_flight": self.context.in_flight,
+            "requests_in_flight": self.context.in_flight + self.hub.in_flight,
             "upstream_connections_idle": self.pool.idle_count(),
             "upstream_connections_busy": self.pool.busy_count(),
             "upstream_connections_opened": self.pool.opened,
@@ -167,6 +189,7 @@ class Proxy:
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, self._stop.set)
         await self.watcher.refresh()  # serve from the first table if Redis is there already
+        self.pool.start()
         try:
             host, port = await self.listener.start(settings.host, settings.port)
         except OSError as exc:

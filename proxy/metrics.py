@@ -1,5 +1,9 @@
 """What the proxy counts, kept as plain integers on the hot path and turned into Prometheus
 families only when /metrics is scraped (a prometheus_client Counter takes a lock per `inc`).
+
+The C path (`proxy._hotpath`) counts its own responses and latencies in the Hub, and bumps
+the same per-choice and per-node Tally objects the Python path uses; the collector adds the
+two up at scrape time.
 """
 
 from __future__ import annotations
@@ -7,6 +11,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -15,6 +20,8 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.registry import Collector
+
+from proxy._hotpath import Tally
 
 LATENCY_BUCKETS_S = (
     0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
@@ -26,8 +33,8 @@ class ProxyMetrics:
     responses: dict[tuple[str, int], int] = field(default_factory=dict)  # (kind, status)
     latency_counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS_S) + 1))
     latency_sum_s: float = 0.0
-    choices: dict[tuple[str, int, str, str], int] = field(default_factory=dict)
-    node_requests: dict[str, int] = field(default_factory=dict)
+    choices: dict[tuple[str, int, str, str], Tally] = field(default_factory=dict)
+    node_requests: dict[str, Tally] = field(default_factory=dict)
     node_failures: dict[tuple[str, str], int] = field(default_factory=dict)  # (node, kind)
     failovers: int = 0
     retry_budget_exhausted: int = 0
@@ -41,13 +48,23 @@ class ProxyMetrics:
         self.latency_counts[bisect_left(LATENCY_BUCKETS_S, seconds)] += 1
         self.latency_sum_s += seconds
 
-    def chose(self, store: str, partition: int, node: str, role: str) -> None:
+    def choice_tally(self, store: str, partition: int, node: str, role: str) -> Tally:
+        """The counter of keyed requests sent to this replica (kept across table changes)."""
         key = (store, partition, node, role)
-        self.choices[key] = self.choices.get(key, 0) + 1
-        self.node_requests[node] = self.node_requests.get(node, 0) + 1
+        tally = self.choices.get(key)
+        if tally is None:
+            tally = self.choices[key] = Tally()
+        return tally
 
-    def sent_to(self, node: str) -> None:
-        self.node_requests[node] = self.node_requests.get(node, 0) + 1
+    def node_tally(self, node: str) -> Tally:
+        tally = self.node_requests.get(node)
+        if tally is None:
+            tally = self.node_requests[node] = Tally()
+        return tally
+
+    def requests_to(self, node: str) -> int:
+        tally = self.node_requests.get(node)
+        return 0 if tally is None else tally.value
 
     def failed(self, node: str, kind: str) -> None:
         key = (node, kind)
@@ -59,32 +76,44 @@ class ProxyMetrics:
 
 
 class MetricsCollector(Collector):
-    def __init__(self, metrics: ProxyMetrics, gauges: Callable[[], dict[str, float]]) -> None:
+    def __init__(
+        self,
+        metrics: ProxyMetrics,
+        gauges: Callable[[], dict[str, float]],
+        hot_path_stats: Callable[[], dict[str, Any]],
+    ) -> None:
         self._metrics = metrics
         self._gauges = gauges
+        self._hot_path_stats = hot_path_stats
 
     def collect(self) -> Iterator[Metric]:
         m = self._metrics
+        hot = self._hot_path_stats()
+        by_kind_status = dict(m.responses)
+        for status, count in hot["responses"].items():
+            by_kind_status[("keyed", status)] = by_kind_status.get(("keyed", status), 0) + count
         responses = CounterMetricFamily(
             "kroute_proxy_responses",
             "Responses sent, by request kind and status",
             labels=["kind", "status"],
         )
-        for (kind, status), count in sorted(m.responses.items()):
+        for (kind, status), count in sorted(by_kind_status.items()):
             responses.add_metric([kind, str(status)], count)
         yield responses
 
+        hot_counts = hot["latency_counts"]
+        latency_counts = [a + b for a, b in zip(m.latency_counts, hot_counts, strict=True)]
         cumulative, buckets = 0, []
-        for bound, count in zip(LATENCY_BUCKETS_S, m.latency_counts, strict=False):
+        for bound, count in zip(LATENCY_BUCKETS_S, latency_counts, strict=False):
             cumulative += count
             buckets.append((repr(bound), cumulative))
-        cumulative += m.latency_counts[-1]
+        cumulative += latency_counts[-1]
         buckets.append(("+Inf", cumulative))
         yield HistogramMetricFamily(
             "kroute_proxy_request_duration_seconds",
             "From a whole request received to its response written",
             buckets=buckets,
-            sum_value=m.latency_sum_s,
+            sum_value=m.latency_sum_s + hot["latency_sum_s"],
         )
 
         choices = CounterMetricFamily(
@@ -92,15 +121,15 @@ class MetricsCollector(Collector):
             "Keyed requests sent, by store, partition, node and role",
             labels=["store", "partition", "node", "role"],
         )
-        for (store, partition, node, role), count in sorted(m.choices.items()):
-            choices.add_metric([store, str(partition), node, role], count)
+        for (store, partition, node, role), tally in sorted(m.choices.items()):
+            choices.add_metric([store, str(partition), node, role], tally.value)
         yield choices
 
         per_node = CounterMetricFamily(
             "kroute_proxy_node_requests", "Attempts sent to each node", labels=["node"]
         )
-        for node, count in sorted(m.node_requests.items()):
-            per_node.add_metric([node], count)
+        for node, tally in sorted(m.node_requests.items()):
+            per_node.add_metric([node], tally.value)
         yield per_node
 
         failures = CounterMetricFamily(
@@ -112,6 +141,11 @@ class MetricsCollector(Collector):
             failures.add_metric([node, kind], count)
         yield failures
 
+        yield CounterMetricFamily(
+            "kroute_proxy_hot_path_requests",
+            "Keyed requests forwarded by the C path (the rest took the Python path)",
+            value=hot["forwarded"],
+        )
         yield CounterMetricFamily(
             "kroute_proxy_failovers", "Attempts retried on the next candidate", value=m.failovers
         )

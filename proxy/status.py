@@ -28,7 +28,7 @@ def cluster_status(
             "url": url,
             "alive": node_id in snapshot.alive,
             "ejected_since_ms": ejected.get(node_id),
-            "requests": metrics.node_requests.get(node_id, 0),
+            "requests": metrics.requests_to(node_id),
             "failures": failures.get(node_id, 0),
         }
         for node_id, url in sorted(snapshot.node_urls.items())

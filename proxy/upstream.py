@@ -9,18 +9,24 @@ So this module speaks HTTP/1.1 to nodes itself, callback style (no task or futur
 One request at a time per connection (no upstream pipelining); a connection goes back to the
 idle list only when its response was complete and both sides allow keep-alive. A kept
 connection the node closed meanwhile fails with UpstreamReset, which the caller may retry.
+Response deadlines are kept by one sweeper per pool, not a timer per request.
+
+`UpstreamConnection` extends the C half from `proxy._hotpath`: for requests the C path
+forwarded, it answers the client itself when the response is whole and simple, and otherwise
+hands the request to a Python exchange (`adopt`) and continues here.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections import deque
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
 import httptools
 
+from proxy._hotpath import Hub, UpstreamBase
 from proxy.errors import (
     UpstreamFailure,
     UpstreamProtocol,
@@ -33,6 +39,7 @@ from proxy.http import filter_response_head
 Origin = tuple[str, int]
 _MAX_HEAD_BYTES = 65_536
 Done = Callable[["UpstreamResponse | None", "UpstreamFailure | None"], None]
+Adopt = Callable[["UpstreamConnection"], Done]
 
 
 @dataclass(slots=True)
@@ -42,17 +49,21 @@ class UpstreamResponse:
     body: bytes
 
 
-class UpstreamConnection(asyncio.Protocol):
-    """One connection to a node; the pool hands it one request at a time."""
+class UpstreamConnection(UpstreamBase, asyncio.Protocol):
+    """One connection to a node; the pool hands it one request at a time.
+
+    From the C half: transport, closed, busy, deadline, idle (the pool's list for this
+    node), hub, and data_received (which calls slow_data_received when C does not answer).
+    """
 
     def __init__(self, pool: UpstreamPool, origin: Origin) -> None:
         self._pool = pool
         self.origin = origin
-        self.transport: asyncio.Transport | None = None
-        self.closed = False
+        self.hub = pool.hub
+        self.idle = pool.idle_list(origin)
         self._parser = httptools.HttpResponseParser(self)
         self._on_done: Done | None = None
-        self._timer: asyncio.TimerHandle | None = None
+        self._timeout_s = 0.0
         self._raw_head = b""  # bytes received until the headers are complete
         self._head_lines = b""
         self._in_head = True
@@ -65,7 +76,12 @@ class UpstreamConnection(asyncio.Protocol):
         # uvloop's transports implement asyncio.Transport without subclassing it
         self.transport = cast(asyncio.Transport, transport)
 
-    def data_received(self, data: bytes) -> None:
+    def adopt(self) -> None:
+        """The C path forwarded the request but cannot finish it: a Python exchange takes it."""
+        self._on_done = self._pool.adopt(self)
+        self._timeout_s = self._pool.response_timeout_s
+
+    def slow_data_received(self, data: bytes) -> None:
         if self._on_done is None:
             self._close()  # bytes nobody asked for: the connection cannot be trusted any more
             return
@@ -87,6 +103,8 @@ class UpstreamConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._pool.forget(self)
+        if self.fast_client is not None:
+            self.adopt()
         if self._on_done is not None:
             self._fail(UpstreamReset(f"connection closed by the node ({exc or 'EOF'})"))
 
@@ -113,9 +131,7 @@ class UpstreamConnection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         on_done = self._on_done
         self._on_done = None
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self.busy = False
         response = UpstreamResponse(
             self._parser.get_status_code(), self._head_lines, b"".join(self._body)
         )
@@ -133,19 +149,23 @@ class UpstreamConnection(asyncio.Protocol):
     def send(self, request: bytes, on_done: Done, timeout_s: float) -> None:
         assert self.transport is not None
         self._on_done = on_done
-        self._timer = self._pool.loop.call_later(timeout_s, self._timed_out, timeout_s)
+        self._timeout_s = timeout_s
+        self.busy = True
+        self.deadline = time.monotonic() + timeout_s
         self.transport.write(request)
 
-    def _timed_out(self, timeout_s: float) -> None:
-        self._timer = None
-        self._fail(UpstreamTimeout(f"no whole response within {timeout_s * 1000:.0f} ms"))
+    def expire(self) -> None:
+        """The sweeper found this connection past its response deadline."""
+        if self.fast_client is not None:
+            self.adopt()
+        if self._on_done is not None:
+            timeout_ms = self._timeout_s * 1000
+            self._fail(UpstreamTimeout(f"no whole response within {timeout_ms:.0f} ms"))
 
     def _fail(self, failure: UpstreamFailure) -> None:
         on_done = self._on_done
         self._on_done = None
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self.busy = False
         self._close()
         if on_done is not None:
             on_done(None, failure)
@@ -163,27 +183,45 @@ class UpstreamPool:
     def __init__(
         self,
         *,
+        hub: Hub,
         connect_timeout_s: float,
         response_timeout_s: float,
         idle_per_origin: int,
         max_response_bytes: int,
     ) -> None:
         self.loop = asyncio.get_running_loop()
+        self.hub = hub
         self.connect_timeout_s = connect_timeout_s
         self.response_timeout_s = response_timeout_s
         self.idle_per_origin = idle_per_origin
         self.max_response_bytes = max_response_bytes
-        self._idle: dict[Origin, deque[UpstreamConnection]] = {}
-        self._busy: set[UpstreamConnection] = set()
+        # Lists, never replaced: the C path pops from and appends to them too.
+        self._idle: dict[Origin, list[UpstreamConnection]] = {}
+        self._open: set[UpstreamConnection] = set()
         self._connecting: set[asyncio.Task[None]] = set()
+        self._sweeper: asyncio.Task[None] | None = None
         self.opened = 0
+        self.adopt: Adopt = _no_adopter
+
+    def idle_list(self, origin: Origin) -> list[UpstreamConnection]:
+        return self._idle.setdefault(origin, [])
+
+    def start(self) -> None:
+        self._sweeper = self.loop.create_task(self._sweep())
+
+    async def _sweep(self) -> None:
+        tick = min(max(self.response_timeout_s / 8, 0.005), 0.25)
+        while True:
+            await asyncio.sleep(tick)
+            now = time.monotonic()
+            for connection in [c for c in self._open if c.busy and c.deadline < now]:
+                connection.expire()
 
     def send(self, origin: Origin, request: bytes, on_done: Done) -> None:
         idle = self._idle.get(origin)
         while idle:
             connection = idle.pop()
-            if not connection.closed and not connection.transport.is_closing():  # type: ignore[union-attr]
-                self._busy.add(connection)
+            if not connection.closed and not connection.transport.is_closing():
                 connection.send(request, on_done, self.response_timeout_s)
                 return
         task = self.loop.create_task(self._connect_and_send(origin, request, on_done))
@@ -203,42 +241,51 @@ class UpstreamPool:
             on_done(None, UpstreamRefused(f"connect failed: {exc.strerror or exc}"))
             return
         self.opened += 1
-        self._busy.add(connection)
+        self._open.add(connection)
         connection.send(request, on_done, self.response_timeout_s)
 
     def release(self, connection: UpstreamConnection) -> None:
-        self._busy.discard(connection)
-        idle = self._idle.setdefault(connection.origin, deque())
+        idle = self.idle_list(connection.origin)
         if len(idle) >= self.idle_per_origin:
-            connection.transport.close()  # type: ignore[union-attr]
+            connection._close()
             return
         idle.append(connection)
 
     def forget(self, connection: UpstreamConnection) -> None:
-        self._busy.discard(connection)
+        self._open.discard(connection)
         idle = self._idle.get(connection.origin)
         if idle and connection in idle:
             idle.remove(connection)
 
     def drop_origin(self, origin: Origin) -> None:
         """Close idle connections to a node that failed: they would likely fail too."""
-        for connection in self._idle.pop(origin, ()):
-            if connection.transport is not None:
-                connection.transport.close()
+        idle = self._idle.get(origin)
+        if idle:
+            dropped = list(idle)
+            idle.clear()
+            for connection in dropped:
+                connection._close()
 
     def idle_count(self) -> int:
         return sum(len(idle) for idle in self._idle.values())
 
     def busy_count(self) -> int:
-        return len(self._busy)
+        return sum(1 for connection in self._open if connection.busy)
 
     def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         for task in self._connecting:
             task.cancel()
         for idle in self._idle.values():
-            for connection in idle:
-                if connection.transport is not None:
-                    connection.transport.close()
-        self._idle.clear()
-        for connection in list(self._busy):
+            for connection in list(idle):
+                connection._close()
+            idle.clear()
+        for connection in [c for c in self._open if c.busy]:
+            if connection.fast_client is not None:
+                connection.adopt()
             connection._fail(UpstreamReset("proxy shutting down"))
+
+
+def _no_adopter(connection: UpstreamConnection) -> Done:
+    raise RuntimeError("the C path forwarded a request but no exchange can adopt it")

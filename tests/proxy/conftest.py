@@ -46,6 +46,24 @@ def publish_stand_ins(
     return cluster
 
 
+# The stand-in proxy's settings (KROUTE_* without the prefix); short timeouts keep tests quick.
+PROXY_SETTINGS = {
+    "routes": '[{"path": "/stores/{store}/keys/{key}"},'
+    ' {"path": "/lookup", "store": "customers", "key": "query:id"},'
+    ' {"path": "/check", "store": "cards", "key": "header:x-card"}]',
+    "eject_ms": "300",
+    "probe_interval_ms": "50",
+    "request_timeout_ms": "1500",
+    "upstream_timeout_ms": "1000",
+    "connect_timeout_ms": "300",
+    "refresh_interval_ms": "200",
+    "max_header_bytes": "4096",
+    "max_headers": "20",
+    "max_body_bytes": "1000",
+    "lag_report_stale_ms": "600000",
+}
+
+
 @pytest.fixture(scope="module")
 def stand_ins(embedded: EmbeddedServices) -> Iterator[StandIns]:
     redis_server = embedded.start_redis()  # its own: a test restarts it
@@ -58,19 +76,7 @@ def stand_ins(embedded: EmbeddedServices) -> Iterator[StandIns]:
         redis_server.url,
         name=f"proxy-{keys.cluster}",
         cluster=keys.cluster,
-        routes='[{"path": "/stores/{store}/keys/{key}"},'
-        ' {"path": "/lookup", "store": "customers", "key": "query:id"},'
-        ' {"path": "/check", "store": "cards", "key": "header:x-card"}]',
-        eject_ms="300",
-        probe_interval_ms="50",
-        request_timeout_ms="1500",
-        upstream_timeout_ms="1000",
-        connect_timeout_ms="300",
-        refresh_interval_ms="200",
-        max_header_bytes="4096",
-        max_headers="20",
-        max_body_bytes="1000",
-        lag_report_stale_ms="600000",
+        **PROXY_SETTINGS,
     )
     try:
         yield StandIns(embedded, redis_server, client, backends, cluster, proxy)

@@ -1,8 +1,10 @@
 """A stand-in node for proxy tests: a real HTTP/1.1 server on loopback, in a thread.
 
 It answers every request with JSON naming itself and echoing what it received (method, target,
-headers, body), so a test can see exactly what the proxy forwarded. `mode` makes it misbehave:
-"421" answers misdirected, "hang" never answers, "close" closes without answering.
+headers, body, and the raw bytes), so a test can see exactly what the proxy forwarded. `mode`
+makes it misbehave: "421" answers misdirected, "hang" never answers, "close" closes without
+answering. A request may choose the answer's status (`x-test-status`) and header lines
+(`x-test-head`, hex of the raw lines), so tests can vary what the proxy must pass on.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ class _EchoProtocol(asyncio.Protocol):
         self.headers: list[tuple[str, str]] = []
         self.url = b""
         self.body = b""
+        self.raw = b""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -36,6 +39,7 @@ class _EchoProtocol(asyncio.Protocol):
         self.backend.transports.discard(self.transport)
 
     def data_received(self, data: bytes) -> None:
+        self.raw += data
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError:
@@ -60,16 +64,23 @@ class _EchoProtocol(asyncio.Protocol):
             "target": self.url.decode("latin-1"),
             "headers": self.headers,
             "body": self.body.decode("latin-1"),
+            "raw": self.raw.decode("latin-1"),
         }
         backend.requests.append(received)
-        self.headers, self.url, self.body = [], b"", b""
+        chosen = dict(self.headers)
+        self.headers, self.url, self.body, self.raw = [], b"", b"", b""
         if backend.mode == "hang":
             return
         if backend.mode == "close":
             self.transport.close()
             return
-        status = 421 if backend.mode == "421" else backend.status
+        status = 421 if backend.mode == "421" else int(chosen.get("x-test-status", backend.status))
         body = json.dumps(received).encode()
+        if "x-test-head" in chosen:
+            lines = bytes.fromhex(chosen["x-test-head"])
+            head = b"HTTP/1.1 %d X\r\n%scontent-length: %d\r\n\r\n" % (status, lines, len(body))
+            self.transport.write(head + body)
+            return
         head = (
             f"HTTP/1.1 {status} X\r\ncontent-type: application/json\r\n"
             f"content-length: {len(body)}\r\nx-backend: {backend.node_id}\r\n"

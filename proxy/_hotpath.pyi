@@ -1,0 +1,90 @@
+"""Types of the C module proxy/_hotpath.c (the proxy's common case in C)."""
+
+from typing import Any
+
+from proxy.choice import Choice, Replica
+
+class Tally:
+    value: int
+
+class Candidate:
+    target: Any  # proxy.exchange.Target
+    replica: Replica | None
+    provenance: bytes
+    idle: list[Any]
+    choice_tally: Tally | None
+    node_tally: Tally
+    def __init__(
+        self,
+        target: Any,
+        replica: Replica | None,
+        provenance: bytes,
+        idle: list[Any],
+        host_line: bytes,
+        choice_tally: Tally | None,
+        node_tally: Tally,
+        lag: int = -1,
+        caught_up_at_ms: int = -1,
+    ) -> None: ...
+
+class Cached:
+    choice: Choice
+    candidates: tuple[Candidate, ...]
+    expires_ms: int
+    def __init__(
+        self, choice: Choice, candidates: tuple[Candidate, ...], expires_ms: int
+    ) -> None: ...
+
+class Hub:
+    enabled: int
+    in_flight: int
+    def __init__(
+        self,
+        *,
+        status_lines: dict[int, bytes],
+        id_prefix: bytes,
+        response_timeout_s: float,
+        idle_timeout_s: float,
+        max_response_bytes: int,
+        max_request_bytes: int,
+        max_headers: int,
+        idle_per_origin: int,
+        spread: int,
+    ) -> None: ...
+    def set_routes(self, routes: list[Any]) -> None: ...
+    def set_stores(self, stores: list[Any]) -> None: ...
+    def next_request_id(self) -> bytes: ...
+    def take_deposits(self) -> int: ...
+    def stats(self) -> dict[str, Any]: ...
+    def latency_buckets(self) -> tuple[float, ...]: ...
+
+class ClientBase:
+    hub: Hub | None
+    transport: Any
+    client_ip_bytes: bytes | None
+    closed: int
+    busy: int
+    reading: int
+    attention: int
+    deadline: float
+    def data_received(self, data: bytes) -> None: ...
+
+class UpstreamBase:
+    hub: Hub | None
+    transport: Any
+    idle: list[Any] | None
+    closed: int
+    busy: int
+    deadline: float
+    fast_client: Any
+    fast_cached: Any
+    fast_shift: int
+    fast_head: Any
+    fast_request_id: Any
+    fast_store: Any
+    fast_partition: int
+    fast_keep_alive: int
+    fast_head_only: int
+    fast_received_at: float
+    def data_received(self, data: bytes) -> None: ...
+    def release_fast(self) -> None: ...

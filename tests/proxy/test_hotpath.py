@@ -1,0 +1,220 @@
+"""The C path (proxy/_hotpath.c) against the Python path: the same bytes out, both ways.
+
+Two real proxy processes stand before the same echo backends and read the same Redis table;
+one serves the common case in C, the other has KROUTE_HOT_PATH=false. Generated requests
+(keyed and not, odd keys, hop-by-hop and forwarding headers, request ids, budget headers) and
+generated node answers (statuses, hop-by-hop, provenance and Connection-named headers) go
+through both over raw sockets. The echo backends answer with the exact bytes the proxy sent
+them, so one comparison covers the request to the node and the response to the client.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kroute.proxies import ProxyHandle, start_proxy
+from proxy._hotpath import Cached, Candidate, Hub, Tally
+from proxy.metrics import LATENCY_BUCKETS_S
+from tests.proxy.conftest import PROXY_SETTINGS, StandIns
+
+GENERATED_ID = re.compile(rb"\b[0-9a-f]{8}-[0-9a-f]+\b")  # a proxy-made request id
+CONTENT_LENGTH = re.compile(rb"(?im)^content-length: *(\d+)\r\n")
+
+
+@pytest.fixture(scope="module")
+def twins(stand_ins: StandIns) -> Iterator[tuple[ProxyHandle, ProxyHandle]]:
+    """(the C path on, the C path off), both in front of the stand-ins."""
+    cluster = stand_ins.cluster.keys.cluster
+    python_only = start_proxy(
+        stand_ins.services,
+        stand_ins.redis_server.url,
+        name=f"proxy-python-{cluster}",
+        cluster=cluster,
+        hot_path="false",
+        **PROXY_SETTINGS,
+    )
+    try:
+        yield stand_ins.proxy, python_only
+    finally:
+        python_only.process.stop()
+        python_only.close()
+
+
+def send(proxy: ProxyHandle, raw: bytes, *, head_only: bool) -> bytes:
+    """One request on a fresh connection; the whole response, read by its framing."""
+    url = httpx.URL(proxy.url)
+    with socket.create_connection((url.host, url.port), timeout=5) as sock:
+        sock.sendall(raw)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = sock.recv(65536)
+            if not chunk:
+                return data
+            data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        match = CONTENT_LENGTH.search(head + b"\r\n")
+        assert match is not None, head
+        wanted = 0 if head_only else int(match.group(1))
+        while len(body) < wanted:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            body += chunk
+        assert len(body) == wanted, (head, body)
+        return head + b"\r\n\r\n" + body
+
+
+def comparable(response: bytes) -> bytes:
+    """Without what may differ between two proxies: generated ids (and so lengths)."""
+    return CONTENT_LENGTH.sub(b"", GENERATED_ID.sub(b"ID", response))
+
+
+def hot_path_count(proxy: ProxyHandle) -> float:
+    text = proxy.admin("/metrics").text
+    found = re.search(r"^kroute_proxy_hot_path_requests_total (\S+)$", text, re.M)
+    assert found is not None
+    return float(found.group(1))
+
+
+KEY_PIECES = st.sampled_from(
+    ["a", "Z", "7", "42", "-", ".", "_", "~", "!", "$", "&", "'", "(", "*", "+", ",", ";", "=",
+     ":", "@", "%41", "%C3%A9", "%zz", "%FF", "é", "/", "?", "#"]
+)  # fmt: skip
+PLAIN_KEYS = st.text("abcXYZ0123456789-._~!$'()*,;=:@", max_size=40)
+KEYS = st.one_of(PLAIN_KEYS, st.lists(KEY_PIECES, max_size=6).map("".join))
+INT_KEYS = st.sampled_from(["0", "1", "-1", "9223372036854775807", "12x", ""])
+UUID_KEYS = st.sampled_from(["8d6f5e4c-3b2a-4190-8f7e-6d5c4b3a2910", "not-a-uuid"])
+
+
+@st.composite
+def targets(draw: st.DrawFn) -> tuple[str, list[tuple[str, str]]]:
+    """A request target, and headers it needs (the header-keyed route)."""
+    kind = draw(st.sampled_from(["path", "path", "path", "query", "header", "other"]))
+    if kind == "path":
+        store, keys = draw(
+            st.sampled_from(
+                [("customers", KEYS), ("cards", INT_KEYS), ("devices", UUID_KEYS),
+                 ("nope", KEYS), ("", KEYS)]
+            )
+        )  # fmt: skip
+        suffix = draw(st.sampled_from(["", "", "?a=1", "?"]))
+        return f"/stores/{store}/keys/{draw(keys)}{suffix}", []
+    if kind == "query":
+        key = draw(KEYS.filter(lambda k: "&" not in k and "#" not in k))
+        query = draw(
+            st.sampled_from([f"id={key}", f"x=1&id={key}", "x=1", f"id={key}&id=b", "id=", "id"])
+        )
+        return f"/lookup?{query}", []
+    if kind == "header":
+        return "/check", [("X-Card", draw(INT_KEYS))]
+    return draw(st.sampled_from(["/", "/other/thing", "/stores/customers"])), []
+
+
+HEADER_NAMES = ["Accept", "X-Custom", "Host", "X-Forwarded-For", "X-Forwarded-Proto",
+                "X-Forwarded-Host", "Connection", "Keep-Alive", "TE", "Upgrade",
+                "Proxy-Authorization", "X-Request-Id", "x-kroute-max-lag",
+                "Content-Length"]  # fmt: skip
+HEADER_VALUES = ["", "x", "keep-alive", "close", "keep-alive, X-Custom", "10.0.0.1", "r-abc.1",
+                 "bad id!", "0", "5", "text/html", "a  b", "Upgrade"]  # fmt: skip
+ANSWER_LINES = [b"content-type: a\r\n", b"Connection: keep-alive\r\n", b"Keep-Alive: timeout=5\r\n",
+                b"X-Kroute-Node: evil\r\n", b"x-kroute-lag: 5\r\n",
+                b"Connection: x-secret\r\nX-Secret: 1\r\n", b"x-a:   padded   \r\n",
+                b"x-empty:\r\n", b"Set-Cookie: a=1\r\nSet-Cookie: b=2\r\n", b"TE: trailers\r\n",
+                b"Proxy-Connection: keep-alive\r\n"]  # fmt: skip
+
+
+@st.composite
+def requests(draw: st.DrawFn) -> tuple[bytes, bool]:
+    method = draw(st.sampled_from(["GET", "GET", "GET", "HEAD", "POST"]))
+    target, needed = draw(targets())
+    extra = st.lists(
+        st.tuples(st.sampled_from(HEADER_NAMES), st.sampled_from(HEADER_VALUES)), max_size=5
+    )
+    headers = needed + draw(st.one_of(st.just([]), extra))  # plain requests are the C path's
+    status = draw(st.sampled_from([200, 200, 201, 404, 500, 503]))
+    answer = b"".join(draw(st.lists(st.sampled_from(ANSWER_LINES), max_size=3)))
+    headers += [("x-test-status", str(status)), ("x-test-head", answer.hex())]
+    # No body is sent: a Content-Length other than 0 would only wait for the 408.
+    headers = [(n, "0" if n == "Content-Length" else v) for n, v in headers]
+    head = f"{method} {target} HTTP/1.1\r\n" + "".join(f"{n}: {v}\r\n" for n, v in headers)
+    return head.encode() + b"\r\n", method == "HEAD"
+
+
+@settings(
+    max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(request=requests())
+def test_the_c_path_answers_exactly_as_the_python_path(twins, request):
+    raw, head_only = request
+    hot, python_only = twins
+    from_c = send(hot, raw, head_only=head_only)
+    from_python = send(python_only, raw, head_only=head_only)
+    assert comparable(from_c) == comparable(from_python)
+
+
+def test_the_c_path_served_the_common_case_and_the_python_twin_none(twins):
+    hot, python_only = twins
+    before = hot_path_count(hot)
+    for key in ("alice", "alice", "bob", "bob", "carol", "carol"):
+        response = hot.get(f"/stores/customers/keys/{key}")
+        assert response.status_code == 200
+        assert response.headers["x-kroute-role"] == "active"
+        assert response.headers["x-kroute-node"] == response.json()["node"]
+    # The first of each pair may fill the choice cache and the node's pool in Python.
+    assert hot_path_count(hot) >= before + 3
+    assert hot_path_count(python_only) == 0
+
+
+def test_a_budget_header_or_a_split_request_takes_the_python_path_correctly(twins):
+    hot, _ = twins
+    before = hot_path_count(hot)
+    response = hot.get("/stores/customers/keys/alice", headers={"x-kroute-max-lag": "0"})
+    assert response.status_code == 200
+    url = httpx.URL(hot.url)
+    with socket.create_connection((url.host, url.port), timeout=5) as sock:
+        sock.sendall(b"GET /stores/customers/keys/alice HTTP/1.1\r\nHo")
+        time.sleep(0.2)  # two reads for the proxy
+        sock.sendall(b"st: x\r\n\r\n")
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200 OK\r\n")
+    assert hot_path_count(hot) == before
+
+
+def test_hub_refuses_routes_it_could_misread():
+    hub = Hub(
+        status_lines={200: b"HTTP/1.1 200 OK\r\n"},
+        id_prefix=b"abcd",
+        response_timeout_s=1.0,
+        idle_timeout_s=1.0,
+        max_response_bytes=1000,
+        max_request_bytes=1000,
+        max_headers=10,
+        idle_per_origin=4,
+        spread=0,
+    )
+    with pytest.raises(ValueError, match="inconsistent route"):
+        hub.set_routes([(2, (), 0, 5, b"", 0, None)])  # key segment outside the template
+    with pytest.raises(ValueError, match="inconsistent route"):
+        hub.set_routes([(2, (), 0, 1, b"", -1, None)])  # no store anywhere
+    with pytest.raises(ValueError, match="literal index"):
+        hub.set_routes([(2, ((3, b"x"),), 0, 1, b"", 0, None)])
+    hub.set_routes([(4, ((0, b"stores"), (2, b"keys")), 0, 3, b"", 1, None)])
+    assert hub.next_request_id() == b"abcd-1"
+    assert hub.next_request_id() == b"abcd-2"
+    assert hub.latency_buckets() == LATENCY_BUCKETS_S
+
+
+def test_candidates_and_cached_choices_check_their_parts():
+    with pytest.raises(TypeError):
+        Candidate(None, None, b"", [], b"host: x\r\n", "not a tally", Tally())
+    with pytest.raises(TypeError):
+        Cached(None, ("not a candidate",), 0)
+    candidate = Candidate(None, None, b"", [], b"host: x\r\n", None, Tally())
+    assert Cached(None, (candidate,), 5).candidates == (candidate,)
