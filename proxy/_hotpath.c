@@ -256,6 +256,10 @@ typedef struct {
     Store *stores;
     int store_count;
     PyObject *status_lines; /* dict: int -> bytes */
+    /* Lower-case header names, from proxy/http.py and proxy/handler.py (one owner each): */
+    PyObject *request_drop;  /* tuple: never passed on to nodes */
+    PyObject *response_drop; /* tuple: never passed on to clients */
+    PyObject *python_only;   /* tuple: a request with one goes the Python way */
     char id_prefix[24];
     int id_prefix_length;
     unsigned long long id_counter;
@@ -297,19 +301,37 @@ static void free_stores(Hub *hub) {
     hub->store_count = 0;
 }
 
+static int all_bytes(PyObject *names) {
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(names); i++) {
+        if (!PyBytes_Check(PyTuple_GET_ITEM(names, i))) {
+            PyErr_SetString(PyExc_TypeError, "header names must be bytes");
+            return 0;
+        }
+    }
+    return 1;
+}
+
 static int Hub_init(Hub *self, PyObject *args, PyObject *kwds) {
-    static char *names[] = {"status_lines", "id_prefix", "response_timeout_s",
-                            "idle_timeout_s", "max_response_bytes", "max_request_bytes",
-                            "max_headers", "idle_per_origin", "spread", NULL};
-    PyObject *status_lines;
+    static char *names[] = {"status_lines", "request_drop", "response_drop", "python_only",
+                            "id_prefix", "response_timeout_s", "idle_timeout_s",
+                            "max_response_bytes", "max_request_bytes", "max_headers",
+                            "idle_per_origin", "spread", NULL};
+    PyObject *status_lines, *request_drop, *response_drop, *python_only;
     const char *prefix;
     Py_ssize_t prefix_length;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!y#ddLnini", names, &PyDict_Type,
-                                     &status_lines, &prefix, &prefix_length,
-                                     &self->response_timeout_s, &self->idle_timeout_s,
-                                     &self->max_response_bytes, &self->max_request_bytes,
-                                     &self->max_headers, &self->idle_per_origin, &self->spread))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!O!O!y#ddLnini", names, &PyDict_Type,
+                                     &status_lines, &PyTuple_Type, &request_drop, &PyTuple_Type,
+                                     &response_drop, &PyTuple_Type, &python_only, &prefix,
+                                     &prefix_length, &self->response_timeout_s,
+                                     &self->idle_timeout_s, &self->max_response_bytes,
+                                     &self->max_request_bytes, &self->max_headers,
+                                     &self->idle_per_origin, &self->spread))
         return -1;
+    if (!all_bytes(request_drop) || !all_bytes(response_drop) || !all_bytes(python_only))
+        return -1;
+    Py_XSETREF(self->request_drop, Py_NewRef(request_drop));
+    Py_XSETREF(self->response_drop, Py_NewRef(response_drop));
+    Py_XSETREF(self->python_only, Py_NewRef(python_only));
     if (prefix_length > 16) {
         PyErr_SetString(PyExc_ValueError, "id_prefix is at most 16 bytes");
         return -1;
@@ -326,6 +348,9 @@ static void Hub_dealloc(Hub *self) {
     free_routes(self);
     free_stores(self);
     Py_XDECREF(self->status_lines);
+    Py_XDECREF(self->request_drop);
+    Py_XDECREF(self->response_drop);
+    Py_XDECREF(self->python_only);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -612,6 +637,17 @@ static int header_is(const Header *h, const char *lower) {
     return equals_lower(h->name, h->name_length, lower);
 }
 
+static int header_in(const Header *h, PyObject *names) {
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(names); i++)
+        if (header_is(h, PyBytes_AS_STRING(PyTuple_GET_ITEM(names, i)))) return 1;
+    return 0;
+}
+
+/* A request header copied to the node as it came (name lower-cased, as the Python path). */
+static int passed_on(Hub *hub, const Header *h) {
+    return !header_is(h, "x-request-id") && !header_in(h, hub->request_drop);
+}
+
 /* A Connection value the C path can treat as hop-by-hop only: "keep-alive" and "close"
  * tokens; any other token names a header to drop, which the Python path handles. */
 static int plain_connection_value(const char *value, size_t length) {
@@ -829,9 +865,7 @@ static int forward_fast(ClientBase *self, const char *data, Py_ssize_t length) {
         if (route->key_source == KEY_HEADER && key_header == NULL &&
             equals_lower(h->name, h->name_length, PyBytes_AS_STRING(route->key_name)))
             key_header = h;
-        if (header_is(h, "content-length") || header_is(h, "transfer-encoding") ||
-            header_is(h, "x-kroute-max-lag") || header_is(h, "x-kroute-max-lag-ms"))
-            return 0;
+        if (header_in(h, hub->python_only)) return 0;
         if (header_is(h, "host")) {
             if (host != NULL) return 0;
             host = h;
@@ -845,12 +879,8 @@ static int forward_fast(ClientBase *self, const char *data, Py_ssize_t length) {
                 request_id = h->value;
                 request_id_length = h->value_length;
             }
-        } else if (!(header_is(h, "keep-alive") || header_is(h, "proxy-connection") ||
-                     header_is(h, "proxy-authenticate") || header_is(h, "proxy-authorization") ||
-                     header_is(h, "te") || header_is(h, "trailer") || header_is(h, "upgrade") ||
-                     header_is(h, "x-forwarded-proto") || header_is(h, "x-forwarded-host"))) {
-            kept_bytes += h->name_length + h->value_length + 4;
         }
+        if (passed_on(hub, h)) kept_bytes += h->name_length + h->value_length + 4;
     }
 
     /* Store and key. */
@@ -928,13 +958,7 @@ static int forward_fast(ClientBase *self, const char *data, Py_ssize_t length) {
     put_text(&w, " HTTP/1.1\r\n");
     for (int i = 0; i < m.header_count; i++) {
         const Header *h = &m.headers[i];
-        if (header_is(h, "host") || header_is(h, "x-forwarded-for") ||
-            header_is(h, "connection") || header_is(h, "x-request-id") ||
-            header_is(h, "keep-alive") || header_is(h, "proxy-connection") ||
-            header_is(h, "proxy-authenticate") || header_is(h, "proxy-authorization") ||
-            header_is(h, "te") || header_is(h, "trailer") || header_is(h, "upgrade") ||
-            header_is(h, "x-forwarded-proto") || header_is(h, "x-forwarded-host"))
-            continue;
+        if (!passed_on(hub, h)) continue;
         put_lower(&w, h->name, h->name_length);
         put_text(&w, ": ");
         put(&w, h->value, h->value_length);
@@ -1125,13 +1149,7 @@ static int answer_fast(UpstreamBase *self, const char *data, Py_ssize_t length) 
         if (header_is(h, "connection") && !plain_connection_value(h->value, h->value_length))
             return 0;
         if (header_is(h, "transfer-encoding")) return 0;
-        keep[i] = !(header_is(h, "connection") || header_is(h, "keep-alive") ||
-                    header_is(h, "proxy-connection") || header_is(h, "proxy-authenticate") ||
-                    header_is(h, "proxy-authorization") || header_is(h, "te") ||
-                    header_is(h, "trailer") || header_is(h, "upgrade") ||
-                    header_is(h, "content-length") || header_is(h, "x-kroute-node") ||
-                    header_is(h, "x-kroute-partition") || header_is(h, "x-kroute-role") ||
-                    header_is(h, "x-kroute-lag") || header_is(h, "x-kroute-time-lag-ms"));
+        keep[i] = !header_in(h, hub->response_drop);
         line_end[i] = newline + 1;
         if (keep[i]) kept += (size_t)(line_end[i] - h->name);
     }

@@ -48,6 +48,7 @@ log = structlog.get_logger("kroute.proxy.handler")
 
 MAX_LAG_HEADER = b"x-kroute-max-lag"
 MAX_LAG_MS_HEADER = b"x-kroute-max-lag-ms"
+BUDGET_HEADERS = (MAX_LAG_HEADER, MAX_LAG_MS_HEADER)  # requests with them take the Python path
 IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS"})
 KEYED_METHODS = frozenset({"GET", "HEAD"})
 

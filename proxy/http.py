@@ -49,6 +49,8 @@ PROVENANCE = frozenset(
     }
 )
 DROP_FROM_REQUEST = HOP_BY_HOP | REPLACED_IN_REQUEST
+# A request with a body (or one announced) is forwarded by the Python path only.
+BODY_HEADERS = (b"content-length", b"transfer-encoding")
 DROP_FROM_RESPONSE = HOP_BY_HOP | PROVENANCE | {b"content-length"}
 
 _STATUS_LINES: dict[int, bytes] = {}

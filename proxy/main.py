@@ -27,9 +27,9 @@ from proxy._hotpath import Hub
 from proxy.admin import AdminApp
 from proxy.choice import LagBudget
 from proxy.exchange import Exchange, ExchangeContext
-from proxy.handler import ChoicePolicy, RequestHandler
+from proxy.handler import BUDGET_HEADERS, ChoicePolicy, RequestHandler
 from proxy.health import Ejections
-from proxy.http import status_lines
+from proxy.http import BODY_HEADERS, DROP_FROM_REQUEST, DROP_FROM_RESPONSE, status_lines
 from proxy.listener import Limits, Listener
 from proxy.metrics import MetricsCollector, ProxyMetrics
 from proxy.retry_budget import RetryBudget
@@ -64,6 +64,9 @@ class Proxy:
         # Python path (which logs each one).
         self.hub = Hub(
             status_lines=status_lines(),
+            request_drop=tuple(sorted(DROP_FROM_REQUEST)),
+            response_drop=tuple(sorted(DROP_FROM_RESPONSE)),
+            python_only=BODY_HEADERS + BUDGET_HEADERS,
             id_prefix=os.urandom(4).hex().encode(),
             response_timeout_s=settings.upstream_timeout_ms / 1000,
             idle_timeout_s=settings.idle_timeout_ms / 1000,
