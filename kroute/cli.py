@@ -1,6 +1,6 @@
 """The `kroute` command: run the product locally, check Java, compute a key's partition.
 
-kroute run                          start the embedded services; Ctrl-C stops them
+kroute run [--failover]             start the whole product with demo data; Ctrl-C stops it
 kroute partition KEY -n 12          the partition a producer wrote KEY to
 kroute check-java                   is there a Java 17+ for Spark?
 """
@@ -18,6 +18,7 @@ from types import FrameType
 from common.java import JavaNotFound, JavaRuntime, find_java
 from kroute.embedded import EmbeddedServices
 from kroute.errors import KrouteError
+from kroute.product import SAMPLE_CUSTOMERS, Product, failover_demo, start_product
 from kroute.settings import RunSettings, SettingsError
 from partitioner import ALGORITHMS, KEY_FORMATS, PartitionerError, partition, serialize_key
 
@@ -52,7 +53,7 @@ def _raise_stop(signum: int, _frame: FrameType | None) -> None:
     raise _StopRequested(signal.Signals(signum).name)
 
 
-def command_run(_args: argparse.Namespace) -> int:
+def command_run(args: argparse.Namespace) -> int:
     settings = RunSettings.from_env()
     say("kroute: checking Java for Spark ...")
     java = find_java(os.environ)
@@ -62,39 +63,48 @@ def command_run(_args: argparse.Namespace) -> int:
         settings.workdir, startup_timeout_s=settings.startup_timeout_s
     ) as services:
         try:
-            say("kroute: starting the Kafka broker (Tansu) ...")
-            broker = services.start_broker(settings.broker_storage)
-            say("kroute: starting redis-server ...")
-            redis_server = services.start_redis()
-            _print_endpoints(broker.bootstrap_servers, redis_server.url, java, settings)
-            _watch_until_stopped(services)
+            product = start_product(services, settings, java, say)
+            _print_product(product, java, settings)
+            if args.failover:
+                failover_demo(product, say)
+                say("")
+                say("Still running on the survivors. Press Ctrl-C to stop.")
+            _watch_until_stopped(product)
         except (KeyboardInterrupt, _StopRequested):
             say("\nkroute: stopping everything it started ...")
     say("kroute: stopped.")
     return EXIT_OK
 
 
-def _print_endpoints(
-    bootstrap: str, redis_url: str, java: JavaRuntime, settings: RunSettings
-) -> None:
-    say()
-    say("kroute is up (embedded services, all on 127.0.0.1):")
-    say(f"  Kafka bootstrap servers : {bootstrap}   (Tansu, storage {settings.broker_storage})")
-    say(f"  Redis                   : {redis_url}")
+def _print_product(product: Product, java: JavaRuntime, settings: RunSettings) -> None:
+    proxy = product.proxy
+    say("")
+    say("kroute is up (all on 127.0.0.1):")
+    say(f"  proxy (lookups)         : {proxy.url}")
+    say(f"  cluster status page     : {product.status_page}")
+    say(f"  metrics                 : {proxy.admin_url}/metrics")
+    for name, node in product.nodes.items():
+        say(f"  materializer {name}          : {node.url}")
+    say(f"  Kafka bootstrap servers : {product.broker.bootstrap_servers}   (topic bookings)")
+    say(f"  Redis                   : {product.redis_server.url}")
     say(f"  Java for Spark          : {java.java_home}")
     say(f"  logs                    : {settings.workdir.resolve()}/")
-    say()
-    say("Try, in another terminal:")
-    say("  .venv/bin/kroute partition customer-42 --partitions 12")
-    say("  .venv/bin/kroute partition 42 --key-format int64 --partitions 12 --verbose")
-    say(f"  redis-cli -u {redis_url} ping")
-    say()
+    say("")
+    say("The demo producer writes railway bookings keyed by customer id; each lookup answers")
+    say("that customer's booking count and latest booking. Try, in another terminal:")
+    for customer in SAMPLE_CUSTOMERS[:3]:
+        say(f"  curl -si {product.lookup_url(customer)}")
+    say(f"  curl -s -H 'x-kroute-max-lag: 0' {product.lookup_url(SAMPLE_CUSTOMERS[3])}")
+    say(f"  curl -s {proxy.admin_url}/cluster/status")
+    say("The x-kroute-node, -partition, -role and -lag headers say who answered and how fresh.")
+    say("To see a node die and standbys take over: ./scripts/run --failover")
+    say("")
     say("Press Ctrl-C to stop.")
 
 
-def _watch_until_stopped(services: EmbeddedServices) -> None:
+def _watch_until_stopped(product: Product) -> None:
     while True:
-        for process in services.processes:
+        for process in product.expected_running():
             if not process.is_running():
                 code = process.popen.returncode
                 raise KrouteError(
@@ -108,9 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kroute", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
 
-    commands.add_parser("run", help="start kroute locally; Ctrl-C stops it").set_defaults(
-        handler=command_run
+    run = commands.add_parser("run", help="start the whole product locally; Ctrl-C stops it")
+    run.add_argument(
+        "--failover",
+        action="store_true",
+        help="once up, kill -9 one node and show lookups answered by standbys",
     )
+    run.set_defaults(handler=command_run)
     commands.add_parser("check-java", help="find a Java 17+ runtime for Spark").set_defaults(
         handler=command_check_java
     )

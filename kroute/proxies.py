@@ -54,10 +54,13 @@ def start_proxy(
     name: str = "proxy",
     wait_ready: bool = True,
     timeout_s: float = 30,
+    port: int | None = None,
+    admin_port: int | None = None,
     **settings: str,
 ) -> ProxyHandle:
-    """A proxy on free loopback ports; settings are KROUTE_* names without the prefix."""
-    port, admin_port = free_port(), free_port()
+    """A proxy on loopback ports (free ones unless given); settings are KROUTE_* names without
+    the prefix."""
+    port, admin_port = port or free_port(), admin_port or free_port()
     env = kroute_environment(
         redis_url=redis_url,
         host="127.0.0.1",

@@ -23,3 +23,18 @@ class RunSettings(EnvSettings):
     startup_timeout_s: float = Field(
         default=30.0, gt=0, le=600, description="How long each service may take to answer."
     )
+    proxy_port: int = Field(
+        default=8080, ge=1, le=65535, description="The proxy's data port (on 127.0.0.1)."
+    )
+    admin_port: int = Field(
+        default=8090,
+        ge=1,
+        le=65535,
+        description="The proxy's admin port: health, metrics, the cluster status page.",
+    )
+    partitions: int = Field(
+        default=12, ge=1, le=1000, description="Partitions of the demo's bookings topic."
+    )
+    demo_rate: float = Field(
+        default=20.0, ge=0, le=10_000, description="Demo bookings written a second (0: none)."
+    )

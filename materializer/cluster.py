@@ -71,6 +71,7 @@ class ClusterTiming:
     poll_interval_ms: int = 1000
     grace_ms: int = 600_000
     standbys: int = 1
+    acceptable_recovery_lag: int = 10_000
 
 
 @dataclass
@@ -172,6 +173,7 @@ class ClusterMember:
             lag,
             standbys=self.timing.standbys,
             grace_ms=self.timing.grace_ms,
+            caught_up_lag=self.timing.acceptable_recovery_lag,
             now_ms=now_ms(),
             leader=self.node.node_id,
         )

@@ -4,13 +4,20 @@ A timer task reads the high watermarks (Fetch responses, see kafka_offsets) and 
 checkpoints, and publishes an immutable snapshot that the HTTP handlers read without waiting.
 
 Time lag is an upper bound on staleness: every record produced before the last moment this
-partition was seen caught up (offset lag 0) has been applied, so a value served now is at most
+partition was known caught up has been applied, so a value served now is at most
 `now - caught_up_at` old. A partition never seen caught up since start reports no time lag.
+
+Known caught up at T means: the store's position has reached an end offset read at T. That is
+the moment of a refresh that finds lag 0, or, under steady writes (where a refresh rarely
+finds lag 0 because records keep arriving during each micro-batch, and a micro-batch may take
+longer than a refresh interval), the latest recent refresh whose end offset the store has
+since passed. The tracker keeps the last `_END_HISTORY` end offsets read per partition.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,6 +29,7 @@ from materializer.kafka_offsets import fetch_high_watermarks
 from materializer.store import Store
 
 log = structlog.get_logger("kroute.materializer.lag")
+_END_HISTORY = 64  # end offsets remembered per partition: a minute at the default interval
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +72,7 @@ class LagTracker:
         self._partitions = partitions
         self.snapshot: dict[int, PartitionLag] = {}
         self.broker_error: str | None = None
+        self._recent_ends: dict[int, deque[tuple[int, int]]] = {}  # (end offset, read at ms)
 
     def refresh_offsets_only(self) -> None:
         """Take the store's checkpoints without asking the broker (before it is reachable)."""
@@ -111,9 +120,14 @@ class LagTracker:
             else:
                 end = before.end_offset if before else None
                 end_at = before.end_offset_at_ms if before else None
+            recent = self._recent_ends.setdefault(partition, deque(maxlen=_END_HISTORY))
+            if ends is not None and partition in ends:
+                recent.append((ends[partition], at_ms))
             caught_up_at = before.caught_up_at_ms if before else None
-            if end is not None and current >= end and end_at == at_ms:
-                caught_up_at = at_ms
+            for end_read, read_at in reversed(recent):
+                if current >= end_read:
+                    caught_up_at = max(caught_up_at or 0, read_at)
+                    break
             snapshot[partition] = PartitionLag(
                 partition=partition,
                 current_offset=current,

@@ -291,6 +291,7 @@ class Node:
                 report_interval_ms=settings.lag_interval_ms,
                 grace_ms=int(settings.grace_period_s * 1000),
                 standbys=settings.standbys,
+                acceptable_recovery_lag=settings.acceptable_recovery_lag,
             ),
             hosting=self._hosting,
             reports=self._reports,

@@ -129,6 +129,14 @@ class NodeSettings(EnvSettings):
         le=86_400,
         description="How long a dead node keeps its partitions before they move.",
     )
+    acceptable_recovery_lag: int = Field(
+        default=10_000,
+        ge=0,
+        le=10**12,
+        description="A standby at most this many offsets behind may take over as active when "
+        "actives are rebalanced (Kafka Streams' acceptable.recovery.lag). 0 waits for a lag "
+        "report of exactly 0, which steady writes may never give.",
+    )
     heartbeat_ms: int = Field(default=300, ge=50, le=10_000, description="Heartbeat interval.")
     alive_ttl_ms: int = Field(
         default=2000, ge=200, le=60_000, description="A node missing heartbeats this long is dead."

@@ -5,15 +5,17 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+import httpx
 import pytest
-import redis
-from confluent_kafka.admin import AdminClient
 
 from kroute.cli import main
+from kroute.embedded import free_port
 from partitioner import partition
 
 
@@ -45,40 +47,114 @@ def test_bad_setting_stops_run_before_starting_anything(monkeypatch, capsys):
     assert "KROUTE_STARTUP_TIMEOUT_S='soon'" in capsys.readouterr().err
 
 
+def _descendants(pid: int) -> set[int]:
+    """Every process below pid, found through /proc (to check that Ctrl-C stopped them all)."""
+    found: set[int] = set()
+    pending = [pid]
+    while pending:
+        parent = pending.pop()
+        try:
+            tasks = list(Path(f"/proc/{parent}/task").iterdir())
+        except FileNotFoundError:
+            continue
+        for task in tasks:
+            try:
+                children = (task / "children").read_text().split()
+            except FileNotFoundError:
+                continue
+            for child in map(int, children):
+                if child not in found:
+                    found.add(child)
+                    pending.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def _read_until(run: subprocess.Popen[str], marker: str, timeout_s: float, seen: list[str]) -> str:
+    assert run.stdout is not None
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = run.stdout.readline()
+        seen.append(line)
+        if marker in line or not line:
+            break
+    output = "".join(seen)
+    assert marker in output, output
+    return output
+
+
+def test_run_refuses_a_taken_port_and_says_which_variable_to_set(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KROUTE_")}
+        env |= {"KROUTE_PROXY_PORT": str(taken.getsockname()[1]), "KROUTE_WORKDIR": "w"}
+        done = subprocess.run(
+            [sys.executable, "-m", "kroute", "run"],
+            check=False,
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=tmp_path,
+            timeout=60,
+        )
+    assert done.returncode == 1
+    assert "is taken" in done.stderr
+    assert "KROUTE_PROXY_PORT" in done.stderr
+    assert not (tmp_path / "w" / "tansu.log").exists()  # nothing was started
+
+
 @pytest.mark.integration
-def test_run_starts_the_services_and_ctrl_c_stops_them(tmp_path):
-    # As in the README: default settings, so the work directory is the relative ".run".
+def test_run_serves_demo_lookups_survives_a_node_kill_and_ctrl_c_stops_everything(tmp_path):
+    """The README's run command with --failover, as a person would use it."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KROUTE_")}
+    env |= {"KROUTE_PROXY_PORT": str(free_port()), "KROUTE_ADMIN_PORT": str(free_port())}
     with subprocess.Popen(
-        [sys.executable, "-m", "kroute", "run"],
+        [sys.executable, "-m", "kroute", "run", "--failover"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         env=env,
         cwd=tmp_path,
     ) as run:
-        assert run.stdout is not None
         seen: list[str] = []
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            line = run.stdout.readline()
-            seen.append(line)
-            if "Press Ctrl-C to stop." in line or not line:
-                break
-        output = "".join(seen)
-        assert "Press Ctrl-C to stop." in output, output
+        output = _read_until(run, "Press Ctrl-C to stop.", 400, seen)
+        for step in ("starting the Kafka broker", "starting 3 materializer nodes", "node c ready"):
+            assert step in output
+        lookups = re.findall(r"curl -si (\S+)", output)
+        assert len(lookups) == 3
+        for url in lookups:
+            answer = httpx.get(url, timeout=10, trust_env=False)
+            assert answer.status_code == 200, answer.text
+            summary = answer.json()["value"]  # the node's envelope: key, partition, lag, value
+            assert summary["bookings"] >= 1
+            assert summary["latest"]["customer"] == url.rsplit("/", 1)[1]
+            assert answer.headers["x-kroute-role"] in ("active", "standby")
+        status_page = re.search(r"cluster status page\s+: (\S+)", output).group(1)
+        assert "<html" in httpx.get(status_page, timeout=10, trust_env=False).text.lower()
 
-        bootstrap = re.search(r"Kafka bootstrap servers : (\S+)", output).group(1)
-        redis_url = re.search(r"Redis\s+: (\S+)", output).group(1)
-        assert AdminClient({"bootstrap.servers": bootstrap}).list_topics(timeout=5).brokers
-        client = redis.Redis.from_url(redis_url)
-        assert client.ping()
-        client.close()
+        output = _read_until(run, "Still running on the survivors", 300, seen)
+        summary = re.search(r"(\d+) lookups in \d+ s after the kill, (\d+) failed", output)
+        assert summary is not None, output
+        assert int(summary.group(1)) > 50
+        assert int(summary.group(2)) == 0, output
 
+        children = _descendants(run.pid)
+        assert len(children) >= 6  # broker, redis, producer, nodes, proxy (and Spark JVMs)
         run.send_signal(signal.SIGINT)
-        rest, _ = run.communicate(timeout=30)
+        rest, _ = run.communicate(timeout=90)
     assert run.returncode == 0, rest
     assert "kroute: stopped." in rest
     assert (tmp_path / ".run" / "redis-server.log").is_file()
-    with pytest.raises(redis.ConnectionError):
-        redis.Redis.from_url(redis_url, socket_connect_timeout=1).ping()
+    # Grandchildren (Spark JVMs, Python workers) exit just after their parents: give them time.
+    deadline = time.monotonic() + 20
+    while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert [pid for pid in children if _alive(pid)] == []

@@ -1,0 +1,57 @@
+"""When a partition counts as caught up: the time-lag bound under steady writes (pure + RocksDB)."""
+
+from __future__ import annotations
+
+from materializer.lag import LagTracker
+from materializer.store import Row, Store
+
+
+def test_steady_writes_still_give_a_time_lag_bound(tmp_path):
+    """Records keep arriving, so no refresh finds lag 0; once the store has passed the end
+    offset read at T, the partition is known caught up at T (everything written before T is
+    in), and its time lag is bounded."""
+    store = Store(tmp_path / "store")
+    store.add_partition(0)
+    tracker = LagTracker(store, "bookings", lambda: (0,))
+    try:
+        tracker.snapshot = tracker._build({0: 10}, 1_000)  # end 10 read at t=1000; store at 0
+        assert tracker.snapshot[0].caught_up_at_ms is None
+        store.apply(0, [Row(b"k", b"v", 9, 900)], 10, 900)  # the store passes offset 10 ...
+        tracker.snapshot = tracker._build({0: 14}, 2_000)  # ... while 4 more were written
+        lag = tracker.snapshot[0]
+        assert lag.lag == 4
+        assert lag.caught_up_at_ms == 1_000
+        assert lag.time_lag_ms(2_500) == 1_500
+    finally:
+        store.close()
+
+
+def test_a_store_behind_the_last_end_offset_is_not_caught_up(tmp_path):
+    store = Store(tmp_path / "store")
+    store.add_partition(0)
+    tracker = LagTracker(store, "bookings", lambda: (0,))
+    try:
+        tracker.snapshot = tracker._build({0: 10}, 1_000)
+        store.apply(0, [Row(b"k", b"v", 8, 900)], 9, 900)  # one short of the end read
+        tracker.snapshot = tracker._build({0: 14}, 2_000)
+        assert tracker.snapshot[0].caught_up_at_ms is None
+        assert tracker.snapshot[0].time_lag_ms(2_500) is None
+    finally:
+        store.close()
+
+
+def test_micro_batches_longer_than_the_refresh_interval_still_catch_up(tmp_path):
+    """Each batch ends at the end offset of its start, two refreshes back: the bound is that
+    older refresh, not none."""
+    store = Store(tmp_path / "store")
+    store.add_partition(0)
+    tracker = LagTracker(store, "bookings", lambda: (0,))
+    try:
+        for second, end in enumerate((10, 20, 30), start=1):
+            tracker.snapshot = tracker._build({0: end}, second * 1_000)
+        store.apply(0, [Row(b"k", b"v", 19, 900)], 20, 900)  # reached the end read at t=2000
+        tracker.snapshot = tracker._build({0: 40}, 4_000)
+        assert tracker.snapshot[0].caught_up_at_ms == 2_000
+        assert tracker.snapshot[0].time_lag_ms(4_000) == 2_000
+    finally:
+        store.close()
