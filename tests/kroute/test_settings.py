@@ -57,5 +57,9 @@ def test_documentation_lists_every_variable():
         "KROUTE_WORKDIR",
         "KROUTE_BROKER_STORAGE",
         "KROUTE_STARTUP_TIMEOUT_S",
+        "KROUTE_PROXY_PORT",
+        "KROUTE_ADMIN_PORT",
+        "KROUTE_PARTITIONS",
+        "KROUTE_DEMO_RATE",
     ]
     assert all(meaning for _, _, meaning in rows)
