@@ -23,6 +23,13 @@ def cluster_status(
     failures: dict[str, int] = {}
     for (node, _kind), count in metrics.node_failures.items():
         failures[node] = failures.get(node, 0) + count
+    # A node's last sign of life the proxy sees: its newest lag report (sent with heartbeats).
+    last_report: dict[str, int] = {}
+    for route in snapshot.stores.values():
+        for replicas in route.replicas:
+            for r in replicas:
+                if r.reported_at_ms is not None:
+                    last_report[r.node_id] = max(last_report.get(r.node_id, 0), r.reported_at_ms)
     nodes = {
         node_id: {
             "url": url,
@@ -30,6 +37,7 @@ def cluster_status(
             "ejected_since_ms": ejected.get(node_id),
             "requests": metrics.requests_to(node_id),
             "failures": failures.get(node_id, 0),
+            "last_report_age_ms": now_ms - last_report[node_id] if node_id in last_report else None,
         }
         for node_id, url in sorted(snapshot.node_urls.items())
     }

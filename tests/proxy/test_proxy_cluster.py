@@ -17,6 +17,7 @@ import pytest
 
 from kroute.proxies import ProxyHandle, start_proxy
 from partitioner import partition
+from tests.browser import rendered_dom, screenshot
 from tests.cluster_helpers import (
     NODE_NAMES,
     PARTITIONS,
@@ -93,6 +94,23 @@ def test_every_key_is_answered_by_its_partitions_owner(cluster, proxy):
         assert body["key"] == key
 
 
+def node_states(dom: str) -> dict[str, str]:
+    """node -> alive/dead, as the status page rendered them."""
+    import re  # noqa: PLC0415
+
+    return dict(re.findall(r'data-node="([^"]+)" data-state="(alive|dead)"', dom))
+
+
+def test_the_status_page_renders_the_running_cluster_in_a_browser(cluster, proxy, tmp_path):
+    page = f"{proxy.admin_url}/cluster"
+    dom = rendered_dom(page, tmp_path / "profile")
+    assert node_states(dom) == dict.fromkeys(NODE_NAMES, "alive")
+    assert "customers (topic" in dom
+    assert dom.count('class="bar"') >= PARTITIONS * 2  # a lag bar per replica
+    assert "s ago" in dom  # each node's last report
+    screenshot(page, "status-page-cluster-running.png", tmp_path / "profile")
+
+
 def test_kill_9_of_an_active_under_load_fails_no_read(cluster, proxy):
     victim = "b"
     victim_partitions = set(cluster.assignment().for_node(victim)["customers"]["active"])
@@ -113,6 +131,13 @@ def test_kill_9_of_an_active_under_load_fails_no_read(cluster, proxy):
             assert response.headers["x-kroute-node"] != victim
     status = proxy.status()
     assert status["nodes"][victim]["alive"] is False
+
+
+def test_the_status_page_shows_the_killed_node_dead(cluster, proxy, tmp_path):
+    page = f"{proxy.admin_url}/cluster"
+    dom = rendered_dom(page, tmp_path / "profile")
+    assert node_states(dom) == {n: "dead" if n == cluster.dead else "alive" for n in NODE_NAMES}
+    screenshot(page, "status-page-node-killed.png", tmp_path / "profile")
 
 
 def check_refusal_reasons(reasons: dict[str, str], paused: str) -> None:
