@@ -104,13 +104,7 @@ def _print_product(product: Product, java: JavaRuntime, settings: RunSettings) -
 
 def _watch_until_stopped(product: Product) -> None:
     while True:
-        for process in product.expected_running():
-            if not process.is_running():
-                code = process.popen.returncode
-                raise KrouteError(
-                    f"{process.name} (pid {process.pid}) exited with code {code}; "
-                    f"its log ends with:\n{process.log_tail()}"
-                )
+        product.check_running()
         time.sleep(1.0)
 
 

@@ -13,11 +13,10 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
-import redis
 
-from common.contract import Keys, decode_assignment
 from common.java import JavaRuntime
 from kroute.demo import customer_id
 from kroute.embedded import (
@@ -62,9 +61,15 @@ class Product:
     def lookup_url(self, customer: str) -> str:
         return f"{self.proxy.url}/stores/{TOPIC}/keys/{customer}"
 
-    def expected_running(self) -> list[ManagedProcess]:
+    def check_running(self) -> None:
+        """KrouteError naming the first started process (other than killed nodes) that exited."""
         killed = {self.nodes[name].process.pid for name in self.killed}
-        return [p for p in self.services.processes if p.pid not in killed]
+        for process in self.services.processes:
+            if process.pid not in killed and not process.is_running():
+                raise KrouteError(
+                    f"{process.name} (pid {process.pid}) exited with code "
+                    f"{process.popen.returncode}; its log ends with:\n{process.log_tail()}"
+                )
 
 
 def check_ports_free(settings: RunSettings) -> None:
@@ -88,7 +93,6 @@ def node_settings(redis_url: str) -> dict[str, str]:
         "redis_url": redis_url,
         "cluster": CLUSTER,
         "standbys": "1",
-        "grace_period_s": "600",
         "log_level": "warning",
     }
 
@@ -162,12 +166,7 @@ def wait_answering(product: Product, timeout_s: float) -> None:
         statuses = [_status(product.proxy, product.lookup_url(c)) for c in SAMPLE_CUSTOMERS]
         if all(status == 200 for status in statuses):
             return
-        for process in product.expected_running():
-            if not process.is_running():
-                raise KrouteError(
-                    f"{process.name} exited while starting; its log ends with:\n"
-                    f"{process.log_tail()}"
-                )
+        product.check_running()
         if time.monotonic() > deadline:
             raise KrouteError(
                 f"lookups still fail after {timeout_s:.0f} s (statuses {statuses}); "
@@ -183,37 +182,34 @@ def _status(proxy: ProxyHandle, url: str) -> int:
         return 0
 
 
+def partition_map(product: Product) -> list[dict[str, Any]]:
+    """The proxy's view of who holds each partition, with lag (its /cluster/status)."""
+    stores = product.proxy.status()["stores"]
+    return list(stores.get(TOPIC, {}).get("partition_map", []))
+
+
 def active_counts(product: Product) -> Counter[str]:
-    """How many partitions each node is active for, from the assignment in Redis."""
-    client = redis.Redis.from_url(product.redis_server.url)
-    try:
-        raw = client.get(Keys(CLUSTER).assignment)
-    finally:
-        client.close()
-    if raw is None:
-        raise KrouteError("no assignment in Redis yet")
-    placements = decode_assignment(raw).stores.get(TOPIC, {})
-    return Counter(p.active for p in placements.values() if p.active is not None)
+    """How many partitions each node is active for."""
+    return Counter(
+        r["node"] for entry in partition_map(product) for r in entry["replicas"]
+        if r["role"] == "active"
+    )  # fmt: skip
 
 
 def standbys_in_budget(product: Product) -> bool:
     """Every partition has a live standby whose time lag is within the demo's budget."""
-    status = product.proxy.status()
-    partition_map = status["stores"].get(TOPIC, {}).get("partition_map", [])
-    if not partition_map:
-        return False
-    for entry in partition_map:
-        fresh = [
-            r
-            for r in entry["replicas"]
-            if r["role"] == "standby"
-            and r["alive"]
-            and r["time_lag_ms"] is not None
-            and r["time_lag_ms"] <= DEMO_MAX_LAG_MS / 2
-        ]
-        if not fresh:
-            return False
-    return True
+    entries = partition_map(product)
+    return bool(entries) and all(any(_fresh_standby(r) for r in e["replicas"]) for e in entries)
+
+
+def _fresh_standby(replica: dict[str, Any]) -> bool:
+    time_lag = replica["time_lag_ms"]
+    return (
+        replica["role"] == "standby"
+        and replica["alive"]
+        and time_lag is not None
+        and time_lag <= DEMO_MAX_LAG_MS / 2
+    )
 
 
 def failover_demo(product: Product, say: Say, seconds: float = 20.0) -> tuple[int, int]:

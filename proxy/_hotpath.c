@@ -255,7 +255,7 @@ typedef struct {
     int route_count;
     Store *stores;
     int store_count;
-    PyObject *status_lines; /* dict: int -> bytes */
+    PyObject *status_line[STATUS_SLOTS]; /* bytes per status, NULL: not sent from C */
     /* Lower-case header names, from proxy/http.py and proxy/handler.py (one owner each): */
     PyObject *request_drop;  /* tuple: never passed on to nodes */
     PyObject *response_drop; /* tuple: never passed on to clients */
@@ -339,7 +339,17 @@ static int Hub_init(Hub *self, PyObject *args, PyObject *kwds) {
     memcpy(self->id_prefix, prefix, prefix_length);
     self->id_prefix[prefix_length] = '-';
     self->id_prefix_length = (int)prefix_length + 1;
-    Py_XSETREF(self->status_lines, Py_NewRef(status_lines));
+    PyObject *status, *line;
+    Py_ssize_t position = 0;
+    while (PyDict_Next(status_lines, &position, &status, &line)) {
+        long code = PyLong_AsLong(status);
+        if (code == -1 && PyErr_Occurred()) return -1;
+        if (code < 0 || code >= STATUS_SLOTS || !PyBytes_Check(line)) {
+            PyErr_SetString(PyExc_ValueError, "status_lines maps statuses below 600 to bytes");
+            return -1;
+        }
+        Py_XSETREF(self->status_line[code], Py_NewRef(line));
+    }
     self->enabled = 1;
     return 0;
 }
@@ -347,7 +357,7 @@ static int Hub_init(Hub *self, PyObject *args, PyObject *kwds) {
 static void Hub_dealloc(Hub *self) {
     free_routes(self);
     free_stores(self);
-    Py_XDECREF(self->status_lines);
+    for (int status = 0; status < STATUS_SLOTS; status++) Py_XDECREF(self->status_line[status]);
     Py_XDECREF(self->request_drop);
     Py_XDECREF(self->response_drop);
     Py_XDECREF(self->python_only);
@@ -616,8 +626,7 @@ static int parse_whole(llhttp_t *parser, llhttp_type_t type, Message *m, const c
 
 /* ---- Small byte helpers ------------------------------------------------------------------- */
 
-static int equals_lower(const char *text, size_t length, const char *lower) {
-    size_t n = strlen(lower);
+static int equals_lower_n(const char *text, size_t length, const char *lower, size_t n) {
     if (n != length) return 0;
     for (size_t i = 0; i < n; i++) {
         char c = text[i];
@@ -625,6 +634,11 @@ static int equals_lower(const char *text, size_t length, const char *lower) {
         if (c != lower[i]) return 0;
     }
     return 1;
+}
+
+/* For literals (strlen folds to a constant). */
+static int equals_lower(const char *text, size_t length, const char *lower) {
+    return equals_lower_n(text, length, lower, strlen(lower));
 }
 
 static int equals_bytes(const char *text, size_t length, PyObject *bytes) {
@@ -638,8 +652,12 @@ static int header_is(const Header *h, const char *lower) {
 }
 
 static int header_in(const Header *h, PyObject *names) {
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(names); i++)
-        if (header_is(h, PyBytes_AS_STRING(PyTuple_GET_ITEM(names, i)))) return 1;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(names); i++) {
+        PyObject *name = PyTuple_GET_ITEM(names, i);
+        if (equals_lower_n(h->name, h->name_length, PyBytes_AS_STRING(name),
+                           (size_t)PyBytes_GET_SIZE(name)))
+            return 1;
+    }
     return 0;
 }
 
@@ -859,11 +877,13 @@ static int forward_fast(ClientBase *self, const char *data, Py_ssize_t length) {
     const Header *host = NULL, *forwarded_for = NULL, *key_header = NULL;
     const char *request_id = NULL;
     size_t request_id_length = 0, kept_bytes = 0;
+    int passed[MAX_FAST_HEADERS]; /* decided once, used when sizing and when writing */
     for (int i = 0; i < m.header_count; i++) {
         const Header *h = &m.headers[i];
         if (!printable_ascii(h->value, h->value_length)) return 0;
         if (route->key_source == KEY_HEADER && key_header == NULL &&
-            equals_lower(h->name, h->name_length, PyBytes_AS_STRING(route->key_name)))
+            equals_lower_n(h->name, h->name_length, PyBytes_AS_STRING(route->key_name),
+                           (size_t)PyBytes_GET_SIZE(route->key_name)))
             key_header = h;
         if (header_in(h, hub->python_only)) return 0;
         if (header_is(h, "host")) {
@@ -880,7 +900,8 @@ static int forward_fast(ClientBase *self, const char *data, Py_ssize_t length) {
                 request_id_length = h->value_length;
             }
         }
-        if (passed_on(hub, h)) kept_bytes += h->name_length + h->value_length + 4;
+        passed[i] = passed_on(hub, h);
+        if (passed[i]) kept_bytes += h->name_length + h->value_length + 4;
     }
 
     /* Store and key. */
@@ -958,7 +979,7 @@ static int forward_fast(ClientBase *self, const char *data, Py_ssize_t length) {
     put_text(&w, " HTTP/1.1\r\n");
     for (int i = 0; i < m.header_count; i++) {
         const Header *h = &m.headers[i];
-        if (!passed_on(hub, h)) continue;
+        if (!passed[i]) continue;
         put_lower(&w, h->name, h->name_length);
         put_text(&w, ": ");
         put(&w, h->value, h->value_length);
@@ -1123,14 +1144,8 @@ static int answer_fast(UpstreamBase *self, const char *data, Py_ssize_t length) 
     if (m.body != NULL && m.body + m.body_length != data + length) return 0;
     const char *head_end = m.body != NULL ? m.body : data + length;
     if (head_end - data > MAX_RESPONSE_HEAD) return 0;
-    PyObject *key = PyLong_FromLong(status);
-    if (key == NULL) return -1;
-    PyObject *status_line = PyDict_GetItemWithError(hub->status_lines, key);
-    Py_DECREF(key);
-    if (status_line == NULL) {
-        if (PyErr_Occurred()) return -1;
-        return 0;
-    }
+    PyObject *status_line = hub->status_line[status];
+    if (status_line == NULL) return 0;
 
     /* Each kept header line as the node sent it, as proxy.http.filter_response_head keeps it;
      * a line is checked to run from its name to the next name (no folding, no surprises). */

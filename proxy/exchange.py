@@ -16,7 +16,7 @@ it had started here.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,7 +99,7 @@ class Exchange:
         request: ClientRequest,
         respond: Respond,
         *,
-        targets: list[Candidate],
+        targets: Sequence[Candidate],
         store: str | None,
         partition: int | None,
         rejected: tuple[Rejection, ...],
@@ -125,7 +125,7 @@ class Exchange:
         callback for its outcome. The C path already counted the attempt and the deposit."""
         cached: Cached = connection.fast_cached
         shift = connection.fast_shift
-        candidates = list(cached.candidates)
+        candidates = cached.candidates
         head: bytes = connection.fast_head
         client = connection.fast_client
         request = ClientRequest(

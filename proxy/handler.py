@@ -249,14 +249,14 @@ class RequestHandler:
 
     def _choice(
         self, store: StoreRoute, name: str, partition: int, budget: LagBudget | None
-    ) -> tuple[Choice, list[Candidate]]:
+    ) -> tuple[Choice, tuple[Candidate, ...]]:
         at = now_ms()
         policy = self.policy
         cache = self._choices[name]
         if budget is None:
             cached = cache[partition]
             if cached is not None and at < cached.expires_ms:
-                return cached.choice, list(cached.candidates)
+                return cached.choice, cached.candidates
         replicas = store.replicas[partition]
         effective = budget or policy.budget
         choice = choose_replicas(
@@ -267,14 +267,14 @@ class RequestHandler:
             unknown_lag=policy.unknown_lag,
             stale_after_ms=policy.stale_after_ms,
         )
-        candidates = [
+        candidates = tuple(
             self._candidate(self._targets[r.node_id], r, name, partition) for r in choice.candidates
-        ]
+        )
         if budget is None:
             expires = choice_expires_at(
                 replicas, effective, now_ms=at, stale_after_ms=policy.stale_after_ms
             )
-            cache[partition] = Cached(choice, tuple(candidates), expires)
+            cache[partition] = Cached(choice, candidates, expires)
         return choice, candidates
 
 

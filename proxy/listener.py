@@ -57,7 +57,6 @@ class ClientConnection(ClientBase, asyncio.Protocol):
         self._limits = listener.limits
         self._handler = listener.handler
         self.hub = listener.hub
-        self._ids = listener.hub
         self._parser = httptools.HttpRequestParser(self)
         self._client_ip = "unknown"
         self._queue: deque[ClientRequest] = deque()
@@ -199,7 +198,7 @@ class ClientConnection(ClientBase, asyncio.Protocol):
             body=b"".join(self._body),
             client_ip=self._client_ip,
             keep_alive=parser.should_keep_alive(),
-            request_id=request_id or self._ids.next_request_id(),
+            request_id=request_id or self._listener.hub.next_request_id(),
             received_at=time.perf_counter(),
         )
         self._headers_done = False  # the rest is reset when the next message begins

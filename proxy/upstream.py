@@ -63,7 +63,6 @@ class UpstreamConnection(UpstreamBase, asyncio.Protocol):
         self.idle = pool.idle_list(origin)
         self._parser = httptools.HttpResponseParser(self)
         self._on_done: Done | None = None
-        self._timeout_s = 0.0
         self._raw_head = b""  # bytes received until the headers are complete
         self._head_lines = b""
         self._in_head = True
@@ -79,7 +78,6 @@ class UpstreamConnection(UpstreamBase, asyncio.Protocol):
     def adopt(self) -> None:
         """The C path forwarded the request but cannot finish it: a Python exchange takes it."""
         self._on_done = self._pool.adopt(self)
-        self._timeout_s = self._pool.response_timeout_s
 
     def slow_data_received(self, data: bytes) -> None:
         if self._on_done is None:
@@ -103,9 +101,7 @@ class UpstreamConnection(UpstreamBase, asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._pool.forget(self)
-        if self.fast_client is not None:
-            self.adopt()
-        if self._on_done is not None:
+        if self.waiting:
             self._fail(UpstreamReset(f"connection closed by the node ({exc or 'EOF'})"))
 
     # -- httptools callbacks ----------------------------------------------------------------
@@ -146,23 +142,27 @@ class UpstreamConnection(UpstreamBase, asyncio.Protocol):
 
     # -- the pool's side --------------------------------------------------------------------
 
-    def send(self, request: bytes, on_done: Done, timeout_s: float) -> None:
+    @property
+    def waiting(self) -> bool:
+        """A request (the Python path's or the C path's) awaits its response here."""
+        return self._on_done is not None or self.fast_client is not None
+
+    def send(self, request: bytes, on_done: Done) -> None:
         assert self.transport is not None
         self._on_done = on_done
-        self._timeout_s = timeout_s
         self.busy = True
-        self.deadline = time.monotonic() + timeout_s
+        self.deadline = time.monotonic() + self._pool.response_timeout_s
         self.transport.write(request)
 
     def expire(self) -> None:
         """The sweeper found this connection past its response deadline."""
-        if self.fast_client is not None:
-            self.adopt()
-        if self._on_done is not None:
-            timeout_ms = self._timeout_s * 1000
+        if self.waiting:
+            timeout_ms = self._pool.response_timeout_s * 1000
             self._fail(UpstreamTimeout(f"no whole response within {timeout_ms:.0f} ms"))
 
     def _fail(self, failure: UpstreamFailure) -> None:
+        if self.fast_client is not None:
+            self.adopt()  # the exchange the C path never built takes the failure (and fails over)
         on_done = self._on_done
         self._on_done = None
         self.busy = False
@@ -222,7 +222,7 @@ class UpstreamPool:
         while idle:
             connection = idle.pop()
             if not connection.closed and not connection.transport.is_closing():
-                connection.send(request, on_done, self.response_timeout_s)
+                connection.send(request, on_done)
                 return
         task = self.loop.create_task(self._connect_and_send(origin, request, on_done))
         self._connecting.add(task)
@@ -242,7 +242,7 @@ class UpstreamPool:
             return
         self.opened += 1
         self._open.add(connection)
-        connection.send(request, on_done, self.response_timeout_s)
+        connection.send(request, on_done)
 
     def release(self, connection: UpstreamConnection) -> None:
         idle = self.idle_list(connection.origin)
@@ -282,8 +282,6 @@ class UpstreamPool:
                 connection._close()
             idle.clear()
         for connection in [c for c in self._open if c.busy]:
-            if connection.fast_client is not None:
-                connection.adopt()
             connection._fail(UpstreamReset("proxy shutting down"))
 
 

@@ -187,36 +187,28 @@ def test_a_budget_header_or_a_split_request_takes_the_python_path_correctly(twin
     assert hot_path_count(hot) == before
 
 
+def a_hub(**overrides: object) -> Hub:
+    settings: dict[str, object] = {
+        "status_lines": {200: b"HTTP/1.1 200 OK\r\n"},
+        "request_drop": (b"connection",),
+        "response_drop": (b"connection",),
+        "python_only": (b"content-length",),
+        "id_prefix": b"abcd",
+        "response_timeout_s": 1.0,
+        "idle_timeout_s": 1.0,
+        "max_response_bytes": 1000,
+        "max_request_bytes": 1000,
+        "max_headers": 10,
+        "idle_per_origin": 4,
+        "spread": 0,
+    }
+    return Hub(**(settings | overrides))  # type: ignore[arg-type]
+
+
 def test_hub_refuses_routes_it_could_misread():
     with pytest.raises(TypeError, match="header names must be bytes"):
-        Hub(
-            status_lines={},
-            request_drop=("connection",),
-            response_drop=(),
-            python_only=(),
-            id_prefix=b"abcd",
-            response_timeout_s=1.0,
-            idle_timeout_s=1.0,
-            max_response_bytes=1000,
-            max_request_bytes=1000,
-            max_headers=10,
-            idle_per_origin=4,
-            spread=0,
-        )
-    hub = Hub(
-        status_lines={200: b"HTTP/1.1 200 OK\r\n"},
-        request_drop=(b"connection",),
-        response_drop=(b"connection",),
-        python_only=(b"content-length",),
-        id_prefix=b"abcd",
-        response_timeout_s=1.0,
-        idle_timeout_s=1.0,
-        max_response_bytes=1000,
-        max_request_bytes=1000,
-        max_headers=10,
-        idle_per_origin=4,
-        spread=0,
-    )
+        a_hub(request_drop=("connection",))
+    hub = a_hub()
     with pytest.raises(ValueError, match="inconsistent route"):
         hub.set_routes([(2, (), 0, 5, b"", 0, None)])  # key segment outside the template
     with pytest.raises(ValueError, match="inconsistent route"):
