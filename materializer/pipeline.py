@@ -119,6 +119,7 @@ class Pipeline:
         self._plan_source = plan_source
         self._stopping = threading.Event()
         self._replan = threading.Event()
+        self._batch_lock = threading.Lock()  # held while a batch is applied to the store
         self._query: StreamingQuery | None = None
         self._checkpoint_dir: Path | None = None
         self._thread = threading.Thread(target=self._supervise, name="kroute-pipeline", daemon=True)
@@ -134,6 +135,7 @@ class Pipeline:
 
     def stop(self, timeout_s: float = 30.0) -> None:
         self._stopping.set()
+        self._await_batch_end(timeout_s)
         query = self._query
         if query is not None:
             try:
@@ -146,9 +148,29 @@ class Pipeline:
     def replan(self) -> None:
         """Restart the query on the current plan (the hosted partitions changed)."""
         self._replan.set()
+        self._await_batch_end(30.0)
         query = self._query
         if query is not None and query.isActive:
             query.stop()  # awaitTermination returns; the supervisor starts the new plan at once
+
+    def _await_batch_end(self, timeout_s: float) -> None:
+        """Let the batch being applied finish before the query is stopped.
+
+        Stopping interrupts the query thread; interrupted inside foreachBatch, Spark matches a
+        regex over the whole Python traceback (SPARK-39218) and can die of a StackOverflowError
+        in it before restarting. Once a stop or re-plan is asked for, later batches are no-ops
+        (`_apply`), so after this wait the interrupt lands between batches.
+        """
+        if self._batch_lock.acquire(timeout=timeout_s):
+            self._batch_lock.release()
+
+    def _apply(self, batch: DataFrame, batch_id: int) -> None:
+        with self._batch_lock:
+            if self._replan.is_set() or self._stopping.is_set():
+                # The store did not move, and the next query starts from the store's offsets.
+                log.debug("batch skipped: the query is being stopped", batch_id=batch_id)
+                return
+            self._sink(batch, batch_id)
 
     def progress(self) -> dict[str, Any] | None:
         query = self._query
@@ -191,7 +213,7 @@ class Pipeline:
         )
         query = (
             read_kafka(self._spark, self._settings, plan)
-            .writeStream.foreachBatch(self._sink)
+            .writeStream.foreachBatch(self._apply)
             .option("checkpointLocation", str(self._checkpoint_dir))
             .trigger(processingTime="0 seconds")
             .queryName(f"kroute-{self._settings.store_name}")

@@ -6,7 +6,9 @@ candidates in the order to try, and for every replica it will not try, why.
 
 Order: the active when it qualifies, then qualifying standbys by least offset lag, least time
 lag, node id. With `spread`, qualifying replicas are rotated by a caller-supplied counter so
-reads are shared among them (they are all within the budget the caller accepted).
+reads are shared among them (they are all within the budget the caller accepted). With
+`standby_reads` off only the active may answer (Kafka Streams before KIP-535): kept as a
+policy for callers that must read the owner, and as the benchmarks' baseline.
 
 Unknown lag (no report, or a report older than `stale_after_ms`) is governed by an explicit
 policy: `reject` (the default) treats it as beyond any finite budget, because a read that is
@@ -87,6 +89,7 @@ def choose_replicas(
     stale_after_ms: int = 3_000,
     spread: bool = False,
     counter: int = 0,
+    standby_reads: bool = True,
 ) -> Choice:
     eligible: list[tuple[tuple[int, int, int, str], Replica]] = []
     rejected: list[Rejection] = []
@@ -98,6 +101,7 @@ def choose_replicas(
             ejected=ejected,
             unknown_lag=unknown_lag,
             stale_after_ms=stale_after_ms,
+            standby_reads=standby_reads,
         )
         if reason is not None:
             rejected.append(Rejection(replica.node_id, replica.role, reason))
@@ -132,13 +136,11 @@ def _why_not(
     ejected: frozenset[str],
     unknown_lag: UnknownLagPolicy,
     stale_after_ms: int,
+    standby_reads: bool = True,
 ) -> str | None:
-    if not replica.alive:
-        return "dead"
-    if replica.node_id in ejected:
-        return "ejected after failed requests"
-    if budget.unlimited:
-        return None
+    unavailable = _why_unavailable(replica, ejected, standby_reads)
+    if unavailable is not None or budget.unlimited:
+        return unavailable
     fresh = _fresh(replica, now_ms, stale_after_ms)
     checks = (
         (
@@ -161,6 +163,17 @@ def _why_not(
             return unknown if fresh or replica.reported_at_ms is None else "lag report too old"
         if value is not None and value > limit:
             return over_budget.format(value, limit)
+    return None
+
+
+def _why_unavailable(replica: Replica, ejected: frozenset[str], standby_reads: bool) -> str | None:
+    """Why the replica may not answer at all, whatever the budget."""
+    if not replica.alive:
+        return "dead"
+    if not standby_reads and replica.role == "standby":
+        return "standby reads are off"
+    if replica.node_id in ejected:
+        return "ejected after failed requests"
     return None
 
 

@@ -61,6 +61,7 @@ class ChoicePolicy:
     unknown_lag: UnknownLagPolicy
     stale_after_ms: int
     spread: bool
+    standby_reads: bool = True
 
 
 class RequestHandler:
@@ -266,6 +267,7 @@ class RequestHandler:
             ejected=self.context.ejections.ejected,
             unknown_lag=policy.unknown_lag,
             stale_after_ms=policy.stale_after_ms,
+            standby_reads=policy.standby_reads,
         )
         candidates = tuple(
             self._candidate(self._targets[r.node_id], r, name, partition) for r in choice.candidates

@@ -115,6 +115,7 @@ class Proxy:
                 unknown_lag=settings.unknown_lag,
                 stale_after_ms=settings.lag_report_stale_ms,
                 spread=settings.spread,
+                standby_reads=settings.standby_reads,
             ),
             context=context,
             metrics=self.metrics,

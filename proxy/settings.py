@@ -122,6 +122,11 @@ class ProxySettings(EnvSettings):
         description="Spread reads over every replica inside the budget instead of preferring "
         "the active.",
     )
+    standby_reads: bool = Field(
+        default=True,
+        description="Let in-budget standbys answer when the active cannot (KIP-535); false: "
+        "only actives answer, so reads fail while an active is down (the behaviour before it).",
+    )
     connect_timeout_ms: int = Field(
         default=500, ge=1, le=60_000, description="Connecting to a node."
     )

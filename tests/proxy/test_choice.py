@@ -132,6 +132,18 @@ def test_reasons_say_what_was_wrong():
     }
 
 
+@settings(max_examples=300)
+@given(replica_sets(), budgets, ejections)
+def test_without_standby_reads_only_the_active_answers(replicas, budget, ejected):
+    choice = choose_replicas(replicas, budget, now_ms=NOW, ejected=ejected, standby_reads=False)
+    with_standbys = choose_replicas(replicas, budget, now_ms=NOW, ejected=ejected)
+    assert all(r.role == "active" for r in choice.candidates)
+    assert choice.candidates == tuple(r for r in with_standbys.candidates if r.role == "active")
+    reasons = {r.node_id: r.reason for r in choice.rejected}
+    for standby in (r for r in replicas if r.role == "standby" and r.alive):
+        assert reasons[standby.node_id] == "standby reads are off"
+
+
 def test_unknown_lag_can_be_accepted_explicitly():
     replicas = (replica("a", role="active", lag=None),)
     budget = LagBudget(max_offsets=10)

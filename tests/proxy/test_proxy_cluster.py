@@ -8,6 +8,7 @@ paused so its lag grows, and lag budgets decide who may answer.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -96,15 +97,24 @@ def test_every_key_is_answered_by_its_partitions_owner(cluster, proxy):
 
 def node_states(dom: str) -> dict[str, str]:
     """node -> alive/dead, as the status page rendered them."""
-    import re  # noqa: PLC0415
-
     return dict(re.findall(r'data-node="([^"]+)" data-state="(alive|dead)"', dom))
+
+
+def replica_states(dom: str) -> dict[str, set[str]]:
+    """node -> the states its replicas were rendered in, across the partition map."""
+    states: dict[str, set[str]] = {}
+    for node, state in re.findall(
+        r'data-replica="([\w.-]+)" data-replica-state="(alive|dead)"', dom
+    ):
+        states.setdefault(node, set()).add(state)
+    return states
 
 
 def test_the_status_page_renders_the_running_cluster_in_a_browser(cluster, proxy, tmp_path):
     page = f"{proxy.admin_url}/cluster"
     dom = rendered_dom(page, tmp_path / "profile")
     assert node_states(dom) == dict.fromkeys(NODE_NAMES, "alive")
+    assert replica_states(dom) == {n: {"alive"} for n in NODE_NAMES}
     assert "customers (topic" in dom
     assert dom.count('class="bar"') >= PARTITIONS * 2  # a lag bar per replica
     assert "s ago" in dom  # each node's last report
@@ -137,6 +147,9 @@ def test_the_status_page_shows_the_killed_node_dead(cluster, proxy, tmp_path):
     page = f"{proxy.admin_url}/cluster"
     dom = rendered_dom(page, tmp_path / "profile")
     assert node_states(dom) == {n: "dead" if n == cluster.dead else "alive" for n in NODE_NAMES}
+    assert replica_states(dom) == {
+        n: {"dead"} if n == cluster.dead else {"alive"} for n in NODE_NAMES
+    }
     screenshot(page, "status-page-node-killed.png", tmp_path / "profile")
 
 

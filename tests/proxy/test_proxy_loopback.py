@@ -16,8 +16,9 @@ import httpx
 import pytest
 
 from common.contract import PartitionAssignment
+from kroute.proxies import start_proxy
 from partitioner import partition, serialize_key
-from tests.proxy.conftest import PARTITIONS, StandIns
+from tests.proxy.conftest import PARTITIONS, PROXY_SETTINGS, StandIns
 
 pytestmark = pytest.mark.integration
 
@@ -341,4 +342,36 @@ def test_unknown_lag_is_rejected_under_a_budget_by_default(stand_ins):
         assert unlimited.headers["x-kroute-lag"] == "unknown"
     finally:
         stand_ins.publish()
+        time.sleep(0.3)
+
+
+def test_without_standby_reads_a_dead_active_is_a_503(stand_ins):
+    """KROUTE_STANDBY_READS=false: the behaviour before KIP-535, the benchmarks' baseline."""
+    key = "actives-only"
+    _, placed = owner(stand_ins, "customers", key)
+    assert placed.active is not None
+    actives_only = start_proxy(
+        stand_ins.services,
+        stand_ins.redis_server.url,
+        name="proxy-actives-only",
+        cluster=stand_ins.cluster.keys.cluster,
+        standby_reads="false",
+        **PROXY_SETTINGS,
+    )
+    path = f"/stores/customers/keys/{key}"
+    try:
+        assert actives_only.get(path).headers["x-kroute-node"] == placed.active
+        stand_ins.cluster.alive.discard(placed.active)
+        stand_ins.publish()
+        time.sleep(0.5)
+        refused = actives_only.get(path)
+        assert refused.status_code == 503
+        reasons = {r["node"]: r["reason"] for r in refused.json()["replicas"]}
+        assert reasons == {placed.active: "dead", placed.standbys[0]: "standby reads are off"}
+        assert stand_ins.proxy.get(path).headers["x-kroute-role"] == "standby"
+    finally:
+        stand_ins.cluster.alive.add(placed.active)
+        stand_ins.publish()
+        actives_only.process.stop()
+        actives_only.close()
         time.sleep(0.3)
