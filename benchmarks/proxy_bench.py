@@ -292,10 +292,10 @@ def report(
         "ratios": ratios,
         "partition_step_ns": round(step_ns, 1),
         "partition_step_share_of_kroute_cpu": round(share, 4),
-        "kroute_keyed_200s": _metric(
+        "kroute_keyed_200s": metric_value(
             metrics, 'kroute_proxy_responses_total{kind="keyed",status="200"}'
         ),
-        "kroute_hot_path_requests": _metric(metrics, "kroute_proxy_hot_path_requests_total"),
+        "kroute_hot_path_requests": metric_value(metrics, "kroute_proxy_hot_path_requests_total"),
     }
     hot_share = (data["kroute_hot_path_requests"] or 0) / max(data["kroute_keyed_200s"] or 1, 1)
     write_json("proxy", data)
@@ -334,7 +334,7 @@ The partition step (KeyPartitioner.partition_of on these keys, in-process) costs
     return 0
 
 
-def _metric(text: str, name: str) -> float | None:
+def metric_value(text: str, name: str) -> float | None:
     for line in text.splitlines():
         if line.startswith(name):
             return float(line.rsplit(" ", 1)[1])

@@ -6,6 +6,7 @@ import re
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 KEYED_SCRIPT = """
 math.randomseed(os.time())
@@ -22,7 +23,7 @@ def run_wrk(
     connections: int = 8,
     path_prefix: str = "/stores/customers/keys/customer-",
     keys: int = 50_000,
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """GETs of path_prefix + a random key number, one wrk thread; rps, p50/p99 ms, non-2xx."""
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
         script.write(KEYED_SCRIPT % (path_prefix, keys - 1))
@@ -36,7 +37,7 @@ def run_wrk(
     return parse_wrk(completed.stdout)
 
 
-def parse_wrk(output: str) -> dict[str, float]:
+def parse_wrk(output: str) -> dict[str, Any]:
     def ms(text: str) -> float:
         number, unit = re.fullmatch(r"([\d.]+)(us|ms|s)", text).groups()  # type: ignore[union-attr]
         return float(number) * {"us": 0.001, "ms": 1.0, "s": 1000.0}[unit]
@@ -53,4 +54,71 @@ def parse_wrk(output: str) -> dict[str, float]:
         "p99_ms": round(ms(percentiles["99"]), 3),
         "non_2xx": int(errors.group(1)) if errors else 0,
         "socket_errors": socket_errors.group(1).strip() if socket_errors else "",
+    }
+
+
+PATHS_SCRIPT = """
+local paths = {}
+for line in io.lines("%s") do paths[#paths + 1] = line end
+math.randomseed(os.time())
+local i = math.random(1, #paths)
+request = function()
+  i = i + 1
+  if i > #paths then i = 1 end
+  return wrk.format("GET", paths[i])
+end
+done = function(summary, latency, requests)
+  local out = {}
+  for q = 1, 999 do out[#out + 1] = string.format("%%d", latency:percentile(q / 10)) end
+  out[#out + 1] = string.format("%%d", latency.max)
+  io.write("QUANTILES_US " .. table.concat(out, " ") .. "\\n")
+end
+"""
+
+
+def run_wrk_paths(url: str, paths_file: Path, seconds: int, connections: int) -> dict[str, Any]:
+    """GETs of the file's paths in order (from a random start), one wrk thread.
+
+    Besides parse_wrk's figures: `quantiles_us`, the latency at 0.1%, 0.2%, ... 99.9% and the
+    maximum, so the runs of several wrk processes can be merged (merge_runs)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
+        script.write(PATHS_SCRIPT % paths_file)
+    try:
+        completed = subprocess.run(
+            ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--latency", "-s", script.name, url],
+            capture_output=True, text=True, timeout=seconds + 30, check=True,
+        )  # fmt: skip
+    finally:
+        Path(script.name).unlink()
+    result: dict[str, Any] = dict(parse_wrk(completed.stdout))
+    line = re.search(r"^QUANTILES_US (.*)$", completed.stdout, flags=re.MULTILINE)
+    result["quantiles_us"] = [int(v) for v in line.group(1).split()] if line else []
+    return result
+
+
+def merge_runs(runs: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
+    """Runs of several wrk processes side by side as one: summed rate, merged percentiles."""
+    weighted = sorted(
+        (value, run["requests"] / len(run["quantiles_us"]))
+        for run in runs
+        for value in run["quantiles_us"]
+    )
+    total = sum(weight for _, weight in weighted)
+
+    def percentile(q: float) -> float:
+        running = 0.0
+        for value, weight in weighted:
+            running += weight
+            if running >= q * total:
+                return round(float(value) / 1000, 3)
+        return round(float(weighted[-1][0]) / 1000, 3)
+
+    requests = sum(run["requests"] for run in runs)
+    return {
+        "rps": round(requests / seconds),
+        "requests": requests,
+        "p50_ms": percentile(0.50),
+        "p99_ms": percentile(0.99),
+        "non_2xx": sum(run["non_2xx"] for run in runs),
+        "socket_errors": "; ".join(run["socket_errors"] for run in runs if run["socket_errors"]),
     }

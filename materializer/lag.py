@@ -46,9 +46,12 @@ class PartitionLag:
         return None if self.end_offset is None else max(self.end_offset - self.current_offset, 0)
 
     def time_lag_ms(self, at_ms: int) -> int | None:
-        if self.lag == 0:
-            return 0
-        return None if self.caught_up_at_ms is None else at_ms - self.caught_up_at_ms
+        """Upper bound on staleness at `at_ms`: everything written before caught_up_at_ms is
+        applied. Lag 0 at the last refresh is no bound by itself: records may have arrived
+        since, so even a caught-up partition's time lag is the age of that refresh."""
+        if self.caught_up_at_ms is None:
+            return 0 if self.lag == 0 else None
+        return max(at_ms - self.caught_up_at_ms, 0)
 
     def as_json(self, at_ms: int) -> dict[str, object]:
         return {
@@ -85,6 +88,9 @@ class LagTracker:
             for p, cp in self._store.checkpoints().items()
             if cp and p in partitions
         }
+        # The ends describe the partition as it was when asked, not when the answer arrived:
+        # stamping them later would count records appended meanwhile as applied.
+        asked_at = now_ms()
         try:
             ends = await fetch_high_watermarks(
                 client, self._topic, partitions, positions=positions, timeout_s=2.0
@@ -98,7 +104,7 @@ class LagTracker:
             self.snapshot = self._build(None, now_ms())
             return
         self.broker_error = None
-        self.snapshot = self._build(ends, now_ms())
+        self.snapshot = self._build(ends, asked_at)
 
     async def run(self, client: AIOKafkaClient, interval_s: float) -> None:
         while True:

@@ -55,6 +55,7 @@ class NodeState:
     # In a cluster: the URL of the node that is active for a partition, and how to reach it.
     owner_of: Callable[[int], str | None] | None = None
     forwarder: Forwarder | None = None
+    forwarded: int = 0  # lookups this node passed on to the partition's owner (an extra hop)
 
     def role_of(self, partition: int) -> str:
         return self.roles.get(partition, self.role)
@@ -178,6 +179,7 @@ class NodeApp:
         owner = state.owner_of(partition) if state.owner_of else None
         if already_forwarded or owner is None or state.forwarder is None:
             return False
+        state.forwarded += 1
         try:
             result = await state.forwarder.forward(owner, path.decode("ascii"))
         except httpx.HTTPError as exc:
@@ -218,6 +220,7 @@ class NodeApp:
             "kept_for_grace": sorted(state.store.partitions() - set(state.hosted)),
             "broker_error": state.lag.broker_error,
             "ingest": ingest,
+            "forwarded": state.forwarded,
             "pipeline": state.pipeline_status(),
         }
 

@@ -1173,7 +1173,7 @@ static int answer_fast(UpstreamBase *self, const char *data, Py_ssize_t length) 
     Candidate *chosen = (Candidate *)PyTuple_GET_ITEM(cached->candidates, self->shift);
     char time_lag[48];
     int time_lag_length = 0;
-    if (chosen->lag > 0 && chosen->caught_up_at_ms >= 0) {
+    if (chosen->caught_up_at_ms >= 0) { /* the bound grows with time, even at lag 0 */
         long long behind = wall_ms() - chosen->caught_up_at_ms;
         time_lag_length = snprintf(time_lag, sizeof time_lag, "x-kroute-time-lag-ms: %lld\r\n",
                                    behind > 0 ? behind : 0);

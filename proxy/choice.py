@@ -60,10 +60,13 @@ class Replica:
     reported_at_ms: int | None
 
     def time_lag_ms(self, now_ms: int) -> int | None:
-        """Upper bound on staleness: 0 when caught up, else time since last caught up."""
-        if self.lag == 0:
-            return 0
-        return None if self.caught_up_at_ms is None else max(now_ms - self.caught_up_at_ms, 0)
+        """Upper bound on staleness: the time since the replica was last known caught up.
+
+        Even a replica that reported lag 0 is behind by up to the age of that report (records
+        keep arriving), so this is never 0 by itself; 0 only for lag 0 with no time known."""
+        if self.caught_up_at_ms is None:
+            return 0 if self.lag == 0 else None
+        return max(now_ms - self.caught_up_at_ms, 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,14 +190,14 @@ def choice_expires_at(
     """The first moment the same inputs could give a different choice, as time alone passes.
 
     Only two things change with time: a report grows older than `stale_after_ms`, and a
-    lagging replica's time lag grows past `budget.max_ms`. Until the earliest of those, a
+    replica's time lag grows past `budget.max_ms`. Until the earliest of those, a
     choice computed now stays exact and can be reused.
     """
     horizon = now_ms + 60_000
     for replica in replicas:
         if replica.reported_at_ms is not None and _fresh(replica, now_ms, stale_after_ms):
             horizon = min(horizon, replica.reported_at_ms + stale_after_ms + 1)
-        if budget.max_ms is not None and replica.lag != 0 and replica.caught_up_at_ms is not None:
+        if budget.max_ms is not None and replica.caught_up_at_ms is not None:
             crossing = replica.caught_up_at_ms + budget.max_ms + 1
             if crossing > now_ms:
                 horizon = min(horizon, crossing)

@@ -45,8 +45,8 @@ def provenance_lines(node_id: str, partition: int, replica: Replica) -> bytes:
         replica.role.encode(),
     )
     lines += b"x-kroute-lag: " + lag + b"\r\n"
-    if replica.lag == 0:
-        lines += b"x-kroute-time-lag-ms: 0\r\n"
+    if replica.caught_up_at_ms is None and replica.lag == 0:
+        lines += b"x-kroute-time-lag-ms: 0\r\n"  # else computed per answer (it grows)
     return lines
 
 
@@ -249,7 +249,7 @@ class Exchange:
         replica: Replica | None = candidate.replica
         request = self._request
         extra = candidate.provenance or candidate.target.node_line
-        if replica is not None and replica.lag:
+        if replica is not None and replica.caught_up_at_ms is not None:
             time_lag = replica.time_lag_ms(now_ms())
             if time_lag is not None:
                 extra += b"x-kroute-time-lag-ms: %d\r\n" % time_lag

@@ -49,12 +49,16 @@ class Ejections:
         entry = self._since.get(node_id)
         return entry[0] if entry else None
 
-    async def run(self, is_alive: Callable[[str], bool]) -> None:
+    async def run(
+        self, is_alive: Callable[[str], bool], url_of: Callable[[str], str | None]
+    ) -> None:
+        """Probe ejected nodes whose heartbeat is alive, at the address they now register:
+        a node restarted on another port must not stay ejected for its old one."""
         while True:
             await asyncio.sleep(self.probe_interval_ms / 1000)
             at = now_ms()
             due = [
-                (node_id, url)
+                (node_id, url_of(node_id) or url)
                 for node_id, (ejected_at, url) in self._since.items()
                 if at - ejected_at >= self.eject_ms and is_alive(node_id)
             ]

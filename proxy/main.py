@@ -225,7 +225,12 @@ class Proxy:
         serving_admin = asyncio.create_task(admin.serve())
         background = [
             asyncio.create_task(self.watcher.run()),
-            asyncio.create_task(self.ejections.run(lambda n: n in self.watcher.snapshot.alive)),
+            asyncio.create_task(
+                self.ejections.run(
+                    lambda n: n in self.watcher.snapshot.alive,
+                    lambda n: self.watcher.snapshot.node_urls.get(n),
+                )
+            ),
         ]
         await asyncio.sleep(0)
         log.info(

@@ -64,6 +64,11 @@ def test_three_nodes_share_the_partitions_one_active_one_standby_each(cluster):
 
 def test_owners_serve_their_keys_and_other_nodes_forward_once(cluster):
     assignment = cluster.wait_settled(set(NODE_NAMES))
+
+    def forwarded_in_all() -> int:
+        return sum(node.metadata()["forwarded"] for node in cluster.nodes.values())
+
+    before = forwarded_in_all()
     for i in range(0, 1200, 97):
         key = f"seed-{i}"
         placed = assignment.stores["customers"][partition(key.encode(), PARTITIONS)]
@@ -76,6 +81,7 @@ def test_owners_serve_their_keys_and_other_nodes_forward_once(cluster):
         assert forwarded.status_code == 200
         assert forwarded.json() == owner.json()
         assert forwarded.headers["x-kroute-forwarded-by"] == outsider
+    assert forwarded_in_all() - before == len(range(0, 1200, 97))  # counted once each
     # A request that was already forwarded is never forwarded again (loop protection).
     key = "seed-0"
     placed = assignment.stores["customers"][partition(key.encode(), PARTITIONS)]
@@ -85,6 +91,7 @@ def test_owners_serve_their_keys_and_other_nodes_forward_once(cluster):
         headers={"x-kroute-forwarded-by": "x"},
     )
     assert again.status_code == 421
+    assert forwarded_in_all() - before == len(range(0, 1200, 97))  # a refusal is no hop
 
 
 def test_reported_lag_grows_with_a_paused_consumer_and_returns_to_zero(cluster):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,7 +30,10 @@ class StandIns:
     cluster: StaticCluster
     proxy: ProxyHandle
 
+    published_at_ms: int = 0
+
     def publish(self) -> None:
+        self.published_at_ms = int(time.time() * 1000)
         self.cluster.publish(self.redis)
 
     def received(self) -> int:
@@ -70,6 +74,7 @@ def stand_ins(embedded: EmbeddedServices) -> Iterator[StandIns]:
     client = redis.Redis.from_url(redis_server.url)
     backends = {f"n{i}": EchoBackend(f"n{i}").start() for i in range(3)}
     keys = Keys(f"t-{uuid.uuid4().hex[:8]}")
+    published_at_ms = int(time.time() * 1000)
     cluster = publish_stand_ins(client, keys, backends)
     proxy = start_proxy(
         embedded,
@@ -79,7 +84,7 @@ def stand_ins(embedded: EmbeddedServices) -> Iterator[StandIns]:
         **PROXY_SETTINGS,
     )
     try:
-        yield StandIns(embedded, redis_server, client, backends, cluster, proxy)
+        yield StandIns(embedded, redis_server, client, backends, cluster, proxy, published_at_ms)
     finally:
         proxy.process.stop()
         proxy.close()

@@ -1,0 +1,170 @@
+"""Steady HTTP load with every outcome kept: for failover, staleness and soak benchmarks.
+
+wrk measures capacity; these benchmarks need something else: a fixed request rate, the outcome
+of each request (status, latency, which replica answered, the body when asked), and the
+connection it used, so "no request hung for the whole timeout more than once per connection"
+can be checked. Each connection is its own keep-alive socket with one request in flight,
+paced to its share of the rate; a failed or timed-out connection is replaced. It runs on its
+own event loop in a thread, so the caller can kill nodes meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+KEPT_HEADERS = (b"x-kroute-node", b"x-kroute-role", b"x-kroute-partition", b"x-kroute-lag")
+
+
+@dataclass(slots=True)
+class Outcome:
+    sent_at: float  # wall clock, seconds (time.time(): comparable with other processes)
+    latency_ms: float
+    status: int  # 0: no answer (connection refused, reset or timed out)
+    connection: int
+    path: str
+    label: str
+    headers: dict[str, str] = field(default_factory=dict)
+    body: bytes = b""
+
+
+@dataclass(frozen=True)
+class Request:
+    path: str
+    headers: tuple[tuple[str, str], ...] = ()
+    label: str = ""  # groups outcomes in reports, e.g. the lag budget asked for
+
+
+class SteadyLoad:
+    """GETs at `rate` per second over `connections` connections until `stop()`."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        requests: Iterator[Request],
+        *,
+        rate: float,
+        connections: int = 8,
+        timeout_s: float = 10.0,
+        keep_body: bool = False,
+    ) -> None:
+        self._host, self._port = host, port
+        self._requests = requests
+        self._interval = connections / rate
+        self._connections = connections
+        self._timeout_s = timeout_s
+        self._keep_body = keep_body
+        self._lock = threading.Lock()
+        self.outcomes: list[Outcome] = []
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="steady-load", daemon=True)
+
+    def start(self) -> SteadyLoad:
+        self._thread.start()
+        return self
+
+    def stop(self) -> list[Outcome]:
+        self._stopping.set()
+        self._thread.join(self._timeout_s + 5)
+        with self._lock:
+            return list(self.outcomes)
+
+    def snapshot(self) -> list[Outcome]:
+        with self._lock:
+            return list(self.outcomes)
+
+    def _next_request(self) -> Request:
+        with self._lock:
+            return next(self._requests)
+
+    def _run(self) -> None:
+        asyncio.run(self._main())
+
+    async def _main(self) -> None:
+        start = time.monotonic()
+        workers = [
+            self._connection(i, start + i * self._interval / self._connections)
+            for i in range(self._connections)
+        ]
+        await asyncio.gather(*workers)
+
+    async def _connection(self, number: int, first_at: float) -> None:
+        streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        next_at = first_at
+        while not self._stopping.is_set():
+            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+            next_at = max(next_at + self._interval, time.monotonic())  # no catch-up bursts
+            request = self._next_request()
+            sent_at, began = time.time(), time.perf_counter()
+            try:
+                if streams is None:
+                    streams = await asyncio.wait_for(
+                        asyncio.open_connection(self._host, self._port), self._timeout_s
+                    )
+                status, headers, body, keep = await asyncio.wait_for(
+                    self._exchange(streams, request), self._timeout_s
+                )
+                if not keep:
+                    streams[1].close()
+                    streams = None
+            except (OSError, TimeoutError, asyncio.IncompleteReadError, ValueError):
+                status, headers, body = 0, {}, b""
+                if streams is not None:
+                    streams[1].close()
+                streams = None
+            outcome = Outcome(
+                sent_at,
+                (time.perf_counter() - began) * 1000,
+                status,
+                number,
+                request.path,
+                request.label,
+                headers,
+                body if self._keep_body else b"",
+            )
+            with self._lock:
+                self.outcomes.append(outcome)
+        if streams is not None:
+            streams[1].close()
+
+    async def _exchange(
+        self, streams: tuple[asyncio.StreamReader, asyncio.StreamWriter], request: Request
+    ) -> tuple[int, dict[str, str], bytes, bool]:
+        reader, writer = streams
+        extra = "".join(f"{name}: {value}\r\n" for name, value in request.headers)
+        writer.write(
+            f"GET {request.path} HTTP/1.1\r\nHost: {self._host}\r\n{extra}\r\n".encode("latin-1")
+        )
+        head = await reader.readuntil(b"\r\n\r\n")
+        lines = head.split(b"\r\n")
+        status = int(lines[0].split(b" ", 2)[1])
+        fields = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(b":")
+            fields[name.strip().lower()] = value.strip()
+        if fields.get(b"transfer-encoding", b"").lower() == b"chunked":
+            body = await _read_chunked(reader)
+        else:
+            body = await reader.readexactly(int(fields.get(b"content-length", b"0")))
+        kept = {name.decode(): fields[name].decode() for name in KEPT_HEADERS if name in fields}
+        return status, kept, body, fields.get(b"connection", b"").lower() != b"close"
+
+
+async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
+    parts: list[bytes] = []
+    while True:
+        size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+        if size == 0:
+            await reader.readuntil(b"\r\n")
+            return b"".join(parts)
+        parts.append(await reader.readexactly(size))
+        await reader.readexactly(2)
+
+
+def cycle_requests(paths: list[str], make: Callable[[str], Request] = Request) -> Iterator[Request]:
+    return (make(path) for path in itertools.cycle(paths))

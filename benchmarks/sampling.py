@@ -1,0 +1,132 @@
+"""CPU and memory of each component's processes, sampled from /proc while a benchmark runs.
+
+A component is a root PID and all its descendants (a materializer node is a Python process, its
+Spark JVM and the JVM's Python workers). Every `interval_s` the sampler adds up user+system CPU
+time and resident memory over each component's process tree. `phase()` marks a named span;
+`summary()` gives, per phase and component, the CPU used (seconds, and cores on average) and
+the largest resident set seen.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+TICKS = os.sysconf("SC_CLK_TCK")
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def process_tree(root: int) -> list[int]:
+    """root and its descendants (through every thread's children list)."""
+    found, pending = [], [root]
+    while pending:
+        pid = pending.pop()
+        found.append(pid)
+        try:
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                pending.extend(int(c) for c in (task / "children").read_text().split())
+        except OSError:
+            continue
+    return found
+
+
+def cpu_and_rss(pid: int) -> tuple[float, int]:
+    """(user+system CPU seconds, resident bytes); (0, 0) for a process that is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        resident_pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0.0, 0
+    return (int(stat[11]) + int(stat[12])) / TICKS, resident_pages * PAGE
+
+
+@dataclass(frozen=True)
+class Sample:
+    at: float  # monotonic seconds
+    component: str
+    cpu_s: float  # cumulative over the tree's live processes
+    rss_bytes: int
+
+
+class ProcessSampler:
+    def __init__(self, interval_s: float = 0.5) -> None:
+        self._interval_s = interval_s
+        self._components: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self.samples: list[Sample] = []
+        self.phases: list[tuple[str, float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="sampler", daemon=True)
+
+    def watch(self, component: str, pid: int) -> None:
+        with self._lock:
+            self._components[component] = pid
+
+    def start(self) -> ProcessSampler:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        began = time.monotonic()
+        self.sample_now()
+        try:
+            yield
+        finally:
+            self.sample_now()
+            self.phases.append((name, began, time.monotonic()))
+
+    def sample_now(self) -> None:
+        at = time.monotonic()
+        with self._lock:
+            components = dict(self._components)
+        taken = []
+        for component, root in components.items():
+            cpu, rss = 0.0, 0
+            for pid in process_tree(root):
+                used, resident = cpu_and_rss(pid)
+                cpu, rss = cpu + used, rss + resident
+            taken.append(Sample(at, component, cpu, rss))
+        with self._lock:
+            self.samples.extend(taken)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            self.sample_now()
+
+    def summary(self) -> dict[str, dict[str, dict[str, Any]]]:
+        """phase -> component -> cpu_s, cores (average), rss_max_mb."""
+        result: dict[str, dict[str, dict[str, Any]]] = {}
+        for name, began, ended in self.phases:
+            within = [s for s in self.samples if began <= s.at <= ended]
+            per: dict[str, dict[str, Any]] = {}
+            for component in sorted({s.component for s in within}):
+                mine = [s for s in within if s.component == component]
+                # A restarted component's CPU starts again from 0: add up the increases only.
+                used = sum(max(b.cpu_s - a.cpu_s, 0.0) for a, b in itertools.pairwise(mine))
+                per[component] = {
+                    "cpu_s": round(used, 2),
+                    "cores": round(used / max(ended - began, 1e-9), 2),
+                    "rss_max_mb": round(max(s.rss_bytes for s in mine) / 2**20, 1),
+                }
+            result[name] = per
+        return result
+
+    def rss_series(self, component: str) -> list[tuple[float, float]]:
+        """(seconds since the first sample, resident MB) for one component."""
+        mine = [s for s in self.samples if s.component == component]
+        if not mine:
+            return []
+        first = mine[0].at
+        return [(round(s.at - first, 1), round(s.rss_bytes / 2**20, 1)) for s in mine]
