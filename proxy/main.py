@@ -228,7 +228,7 @@ class Proxy:
             asyncio.create_task(
                 self.ejections.run(
                     lambda n: n in self.watcher.snapshot.alive,
-                    lambda n: self.watcher.snapshot.node_urls.get(n),
+                    lambda n: self.watcher.snapshot.node_urls.get(n),  # noqa: PLW0108 - the snapshot is replaced
                 )
             ),
         ]
