@@ -7,11 +7,15 @@ that is wrong, its value, and what it expects.
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import re
 from collections.abc import Mapping
-from typing import Any, Self
+from pathlib import Path
+from typing import Annotated, Any, Self
+from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, SecretStr, ValidationError
 from pydantic.fields import FieldInfo
 
 from partitioner import ALGORITHMS, KEY_FORMATS
@@ -39,7 +43,7 @@ class EnvSettings(BaseModel):
         try:
             return cls.model_validate(values)
         except ValidationError as exc:
-            problems = [_describe(error, values) for error in exc.errors()]
+            problems = [_describe(error, values, cls.model_fields) for error in exc.errors()]
             raise SettingsError("invalid configuration: " + "; ".join(problems)) from None
 
     @classmethod
@@ -59,12 +63,108 @@ def _default_text(field: FieldInfo) -> str:
     return "(none)" if field.default is None else str(field.default)
 
 
-def _describe(error: Any, values: dict[str, Any]) -> str:
+def _describe(error: Any, values: dict[str, Any], fields: Mapping[str, FieldInfo]) -> str:
     field = str(error["loc"][0]) if error["loc"] else ""
     variable = ENV_PREFIX + field.upper()
     if error["type"] == "missing":
         return f"{variable} is required"
-    return f"{variable}={values.get(field)!r}: {error['msg']}"
+    secret = field in fields and "SecretStr" in str(fields[field].annotation)
+    shown = "'***'" if secret else repr(values.get(field))  # a bad secret is still a secret
+    return f"{variable}={shown}: {error['msg']}"
+
+
+_HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+                       r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?$")  # fmt: skip
+
+
+def check_host(value: str) -> str:
+    """An IP address or a DNS host name (RFC 1123), nothing else."""
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        if not _HOSTNAME.match(value):
+            raise ValueError("expected an IP address or a host name") from None
+    return value
+
+
+def check_host_port(value: str) -> str:
+    """host:port, with a port in 1-65535."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{value!r} is not host:port")
+    check_host(host.removeprefix("[").removesuffix("]"))
+    return value
+
+
+def check_host_port_list(value: str) -> str:
+    """Comma-separated host:port (Kafka's bootstrap servers)."""
+    for item in value.split(","):
+        check_host_port(item.strip())
+    return value
+
+
+def check_http_url(value: str) -> str:
+    """http://host:port, with nothing else a proxy would have to guess about."""
+    parts = urlsplit(value)
+    if parts.scheme != "http" or not parts.netloc or parts.path not in ("", "/"):
+        raise ValueError("expected http://host:port")
+    check_host_port(parts.netloc)
+    return value
+
+
+def check_redis_url(value: SecretStr) -> SecretStr:
+    """redis://, rediss:// (TLS) or unix://; the message never repeats the URL (a password)."""
+    if urlsplit(value.get_secret_value()).scheme not in ("redis", "rediss", "unix"):
+        raise ValueError("expected a redis://, rediss:// or unix:// URL")
+    return value
+
+
+def redacted_url(url: SecretStr) -> str:
+    """The URL for a log line: where it points, with any user and password as ***."""
+    parts = urlsplit(url.get_secret_value())
+    if parts.username is None and parts.password is None:
+        return parts.geturl()
+    netloc = "***@" + parts.netloc.rpartition("@")[2]
+    return parts._replace(netloc=netloc).geturl()
+
+
+def check_file(value: str) -> str:
+    if not Path(value).is_file():
+        raise ValueError("no such file")
+    return value
+
+
+def check_import_path(value: str) -> str:
+    """module:function, both Python names."""
+    module, sep, function = value.partition(":")
+    names = [*module.split("."), function]
+    if not sep or not all(name.isidentifier() for name in names):
+        raise ValueError("expected module:function, e.g. mypackage.transforms:bookings")
+    return value
+
+
+def check_name(value: str) -> str:
+    """Names that end up in Redis keys, URLs and Kafka (Kafka's legal topic characters)."""
+    if not re.fullmatch(r"[A-Za-z0-9_.-]{1,249}", value):
+        raise ValueError("expected 1-249 letters, digits, '.', '_' or '-'")
+    return value
+
+
+def check_spark_master(value: str) -> str:
+    """The master URLs Spark knows; anything else would fail only after seconds of JVM start."""
+    if not re.fullmatch(r"local(\[(\*|\d+)(,\d+)?\])?|(spark|k8s|mesos)://\S+|yarn", value):
+        raise ValueError("expected local, local[N], local[*], spark://host:port, yarn or k8s://")
+    return value
+
+
+Name = Annotated[str, AfterValidator(check_name)]
+SparkMaster = Annotated[str, AfterValidator(check_spark_master)]
+Host = Annotated[str, AfterValidator(check_host)]
+HostPortList = Annotated[str, AfterValidator(check_host_port_list)]
+HttpUrl = Annotated[str, AfterValidator(check_http_url)]
+RedisUrl = Annotated[SecretStr, AfterValidator(check_redis_url)]
+ExistingFile = Annotated[str, AfterValidator(check_file)]
+ImportPath = Annotated[str, AfterValidator(check_import_path)]
 
 
 def known_partitioning_choice(field_name: str, value: str) -> str:

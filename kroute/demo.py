@@ -25,7 +25,7 @@ from types import FrameType
 from confluent_kafka import KafkaException, Producer
 from pydantic import Field
 
-from common.settings import EnvSettings, SettingsError
+from common.settings import EnvSettings, HostPortList, Name, SettingsError
 
 STATIONS = (
     "Amsterdam Centraal", "Antwerpen-Centraal", "Basel SBB", "Berlin Hbf", "Bruxelles-Midi",
@@ -37,8 +37,8 @@ FARE_CLASSES = ("second", "second", "second", "first")
 
 
 class DemoSettings(EnvSettings):
-    bootstrap_servers: str = Field(description="Kafka bootstrap servers, host:port[,...].")
-    topic: str = Field(default="bookings", description="The topic bookings are written to.")
+    bootstrap_servers: HostPortList = Field(description="Kafka bootstrap servers, host:port[,...].")
+    topic: Name = Field(default="bookings", description="The topic bookings are written to.")
     demo_customers: int = Field(
         default=5000, ge=1, le=10_000_000, description="How many distinct customers book."
     )

@@ -123,10 +123,12 @@ class RedisHandle:
     host: str
     port: int
     process: ManagedProcess
+    password: str | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://{self.host}:{self.port}/0"
+        credentials = f":{self.password}@" if self.password else ""
+        return f"redis://{credentials}{self.host}:{self.port}/0"
 
 
 @dataclass
@@ -150,9 +152,13 @@ class EmbeddedServices:
         self.stop()
 
     def start_broker(
-        self, storage_engine: str = "memory://tansu/", port: int | None = None
+        self,
+        storage_engine: str = "memory://tansu/",
+        port: int | None = None,
+        env: dict[str, str] | None = None,
     ) -> BrokerHandle:
-        """Tansu on loopback (a free port unless given). memory:// loses data on restart."""
+        """Tansu on loopback (a free port unless given). memory:// loses data on restart;
+        s3:// keeps it in an S3 service named by AWS_* variables in `env`."""
         binary = tansu_binary()
 
         def command(port: int) -> list[str]:
@@ -164,11 +170,12 @@ class EmbeddedServices:
                 "--storage-engine", storage_engine,
             ]  # fmt: skip
 
-        process, port = self._start_on_free_port("tansu", command, _kafka_ready, port)
+        process, port = self._start_on_free_port("tansu", command, _kafka_ready, port, env)
         return BrokerHandle(bootstrap_servers=f"{LOOPBACK}:{port}", port=port, process=process)
 
-    def start_redis(self, port: int | None = None) -> RedisHandle:
-        """redis-server on loopback (a free port unless given), no persistence."""
+    def start_redis(self, port: int | None = None, password: str | None = None) -> RedisHandle:
+        """redis-server on loopback (a free port unless given), no persistence; with
+        `password`, clients must AUTH (requirepass)."""
         binary = redis_server_binary()
         data_dir = self.workdir / "redis"
         data_dir.mkdir(exist_ok=True)
@@ -180,10 +187,13 @@ class EmbeddedServices:
                 "--dir", str(data_dir),
                 "--save", "", "--appendonly", "no",  # state is rebuilt from heartbeats
                 "--daemonize", "no", "--protected-mode", "yes",
-            ]  # fmt: skip
+            ] + (["--requirepass", password] if password else [])  # fmt: skip
 
-        process, port = self._start_on_free_port("redis-server", command, _redis_ready, port)
-        return RedisHandle(host=LOOPBACK, port=port, process=process)
+        def ready(port: int) -> bool:
+            return _redis_ready(port, password)
+
+        process, port = self._start_on_free_port("redis-server", command, ready, port)
+        return RedisHandle(host=LOOPBACK, port=port, process=process, password=password)
 
     def start_process(
         self,
@@ -224,11 +234,12 @@ class EmbeddedServices:
         command: CommandForPort,
         ready: ReadinessCheck,
         fixed_port: int | None = None,
+        env: dict[str, str] | None = None,
     ) -> tuple[ManagedProcess, int]:
         last_error: ServiceStartError | None = None
         for _ in range(1 if fixed_port else _PORT_ATTEMPTS):
             port = fixed_port or free_port()
-            process = self._spawn(name, command(port))
+            process = self._spawn(name, command(port), env)
             try:
                 self._await_ready(process, port, ready)
             except ServiceStartError as exc:
@@ -283,8 +294,14 @@ class EmbeddedServices:
         )
 
 
-def _redis_ready(port: int) -> bool:
-    client = redis.Redis(host=LOOPBACK, port=port, socket_timeout=0.5, socket_connect_timeout=0.5)
+def _redis_ready(port: int, password: str | None = None) -> bool:
+    client = redis.Redis(
+        host=LOOPBACK,
+        port=port,
+        password=password,
+        socket_timeout=0.5,
+        socket_connect_timeout=0.5,
+    )
     try:
         return bool(client.ping())
     except redis.RedisError:

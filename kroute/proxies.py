@@ -56,20 +56,21 @@ def start_proxy(
     timeout_s: float = 30,
     port: int | None = None,
     admin_port: int | None = None,
+    admin_host: str = "127.0.0.1",
     **settings: str,
 ) -> ProxyHandle:
     """A proxy on loopback ports (free ones unless given); settings are KROUTE_* names without
-    the prefix."""
-    port, admin_port = port or free_port(), admin_port or free_port()
+    the prefix. The admin listener may get an address of its own (another loopback one)."""
+    port, admin_port = port or free_port(), admin_port or free_port(admin_host)
     env = kroute_environment(
         redis_url=redis_url,
         host="127.0.0.1",
         port=str(port),
-        admin_host="127.0.0.1",
+        admin_host=admin_host,
         admin_port=str(admin_port),
         **settings,
     )
     process = services.start_process(name, [sys.executable, "-m", "proxy"], env=env)
-    handle = ProxyHandle(process, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}")
+    handle = ProxyHandle(process, f"http://127.0.0.1:{port}", f"http://{admin_host}:{admin_port}")
     services.await_ready(process, handle.is_ready if wait_ready else handle.is_live, timeout_s)
     return handle

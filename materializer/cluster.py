@@ -133,8 +133,12 @@ class ClusterMember:
         # What it serves, not when it said so: an event only when that changes.
         serving = (hosting.generation, sorted(hosting.stores.items()))
 
-        async with self.redis.pipeline(transaction=False) as pipe:
+        # One transaction that replaces the node's reports: fields an earlier run of this node
+        # left behind (caught up then, restoring now) or partitions it gave up must not pass
+        # for current ones, nor may a reader see the hash half-written.
+        async with self.redis.pipeline(transaction=True) as pipe:
             pipe.set(self.keys.hosting(self.node.node_id), encode(hosting))
+            pipe.delete(self.keys.lag(self.node.node_id))
             if reports:
                 pipe.hset(self.keys.lag(self.node.node_id), mapping=reports)  # type: ignore[arg-type]
                 pipe.pexpire(self.keys.lag(self.node.node_id), self.timing.alive_ttl_ms * 10)

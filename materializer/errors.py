@@ -1,7 +1,9 @@
 """Errors of the materializer.
 
 MaterializerError(Exception)
-└── EndOffsetsError   the broker did not tell us a partition's high watermark
+├── EndOffsetsError   the broker did not tell us a partition's high watermark
+└── StoreError        the store cannot be opened or written
+    └── StoreCorrupted  RocksDB found its files damaged: the store is rebuilt from Kafka
 """
 
 from __future__ import annotations
@@ -23,3 +25,7 @@ class EndOffsetsError(MaterializerError):
 
 class StoreError(MaterializerError):
     retriable = False
+
+
+class StoreCorrupted(StoreError):
+    """RocksDB reported corruption on open (damaged or missing files, not a held lock)."""

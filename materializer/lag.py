@@ -104,7 +104,11 @@ class LagTracker:
             self.snapshot = self._build(None, now_ms())
             return
         self.broker_error = None
-        self.snapshot = self._build(ends, asked_at)
+        self.apply_ends(ends, asked_at)
+
+    def apply_ends(self, ends: dict[int, int], asked_at_ms: int) -> None:
+        """Take the partitions' end offsets as they were at `asked_at_ms`."""
+        self.snapshot = self._build(ends, asked_at_ms)
 
     async def run(self, client: AIOKafkaClient, interval_s: float) -> None:
         while True:

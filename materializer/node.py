@@ -30,8 +30,8 @@ from materializer.pipeline import Pipeline, QueryPlan, create_spark_session
 from materializer.server import NodeApp, NodeState
 from materializer.settings import NodeSettings
 from materializer.sink import BatchSink, IngestStats
-from materializer.store import Store
-from materializer.transform import load_transform
+from materializer.store import open_or_rebuild
+from materializer.transform import RecordRules, load_transform
 from partitioner import KeyPartitioner
 
 log = structlog.get_logger("kroute.materializer.node")
@@ -86,7 +86,7 @@ class Node:
     def __init__(self, settings: NodeSettings, java: JavaRuntime) -> None:
         self.settings = settings
         self.java = java
-        self.store = Store(settings.data_dir / "stores" / settings.store_name)
+        self.store = open_or_rebuild(settings.data_dir / "stores" / settings.store_name)
         self.stats = IngestStats()
         self.pipeline: Pipeline | None = None
         self.state = NodeState(
@@ -209,7 +209,12 @@ class Node:
             partitions=list(hosted),
         )
         spark = await asyncio.to_thread(create_spark_session, self.settings, self.java.java_home)
-        sink = BatchSink(self.store, self.transform, self.settings.value_format, self.stats)
+        rules = RecordRules(
+            value_format=self.settings.value_format,
+            key_format=self.settings.key_format,
+            max_value_bytes=self.settings.max_value_bytes,
+        )
+        sink = BatchSink(self.store, self.transform, rules, self.stats)
         self.pipeline = Pipeline(spark, self.settings, sink, self.plan)
         self.pipeline.start()
 

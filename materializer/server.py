@@ -105,36 +105,10 @@ class NodeApp:
         self, send: Send, store: str, key_text: str, scope: Scope, path: bytes
     ) -> None:
         state = self.state
-        if store != state.store_name:
-            await _respond(
-                send, 404, {"error": "unknown_store", "store": store, "stores": [state.store_name]}
-            )
-            return
-        if state.partitioner is None:
-            await _respond(
-                send,
-                503,
-                {
-                    "error": "starting",
-                    "detail": "the topic's partition count is not known yet (broker unreachable?)",
-                },
-            )
-            return
         try:
-            key = state.partitioner.serialize(key_text)
-            partition = state.partitioner.partition_of_bytes(key)
-
-        except KeyFormatError as exc:
-            await _respond(
-                send,
-                400,
-                {
-                    "error": "invalid_key",
-                    "key_format": exc.key_format,
-                    "key": key_text,
-                    "detail": exc.reason,
-                },
-            )
+            partition, key = self._locate(store, key_text)
+        except _Refused as refused:
+            await _respond(send, refused.status, refused.payload)
             return
         if partition not in state.hosted:
             if await self._forward(send, partition, scope, path):
@@ -150,8 +124,11 @@ class NodeApp:
                 },
             )
             return
-        found = state.store.get(partition, key)
         lag = state.lag.snapshot.get(partition)
+        if lag is None or lag.end_offset is None:
+            await _respond(send, 421, _not_ready(state.node_id, partition))
+            return
+        found = state.store.get(partition, key)
         provenance = _provenance(state, partition, lag)
         headers = _provenance_headers(provenance)
         if found is None:
@@ -170,6 +147,35 @@ class NodeApp:
             "timestamp_ms": found.timestamp_ms,
         }
         await _respond_raw(send, 200, _with_value(body, found.value, state.value_format), headers)
+
+    def _locate(self, store: str, key_text: str) -> tuple[int, bytes]:
+        """The key's partition and bytes; _Refused when the request cannot be answered here."""
+        state = self.state
+        if store != state.store_name:
+            raise _Refused(
+                404, {"error": "unknown_store", "store": store, "stores": [state.store_name]}
+            )
+        if state.partitioner is None:
+            raise _Refused(
+                503,
+                {
+                    "error": "starting",
+                    "detail": "the topic's partition count is not known yet (broker unreachable?)",
+                },
+            )
+        try:
+            key = state.partitioner.serialize(key_text)
+            return state.partitioner.partition_of_bytes(key), key
+        except KeyFormatError as exc:
+            raise _Refused(
+                400,
+                {
+                    "error": "invalid_key",
+                    "key_format": exc.key_format,
+                    "key": key_text,
+                    "detail": exc.reason,
+                },
+            ) from None
 
     async def _forward(self, send: Send, partition: int, scope: Scope, path: bytes) -> bool:
         """Forward once to the partition's active node; False when that is not possible."""
@@ -312,3 +318,23 @@ async def _respond_raw(
         }
     )
     await send({"type": "http.response.body", "body": body})
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, payload: dict[str, Any]) -> None:
+        super().__init__(payload.get("error"))
+        self.status, self.payload = status, payload
+
+
+def _not_ready(node_id: str, partition: int) -> dict[str, Any]:
+    """421 (RFC 9110: cannot produce an authoritative answer): a proxy asks another replica.
+    Until the node knows where its store stands against the partition's end (just started,
+    restoring a lost store, broker not yet reached), an answer, a 404 above all, could be any
+    age."""
+    return {
+        "error": "not_ready",
+        "detail": f"partition {partition} on node {node_id}: how far the store is behind the "
+        "topic is not known yet (starting or restoring); ask another replica",
+        "partition": partition,
+        "node": node_id,
+    }

@@ -7,29 +7,41 @@ import socket
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
-from common.settings import EnvSettings, known_partitioning_choice
+from common.settings import (
+    EnvSettings,
+    Host,
+    HostPortList,
+    HttpUrl,
+    ImportPath,
+    Name,
+    RedisUrl,
+    SparkMaster,
+    known_partitioning_choice,
+)
 from partitioner import ALGORITHMS, KEY_FORMATS
 
 _PARTITION_LIST = re.compile(r"^(all|\d+(-\d+)?(,\d+(-\d+)?)*)$")
 
 
 class NodeSettings(EnvSettings):
-    node_id: str = Field(
+    node_id: Name = Field(
         default_factory=socket.gethostname,
         description="This node's id in the cluster (default: the host name).",
     )
-    host: str = Field(default="127.0.0.1", description="Address the node's HTTP server binds to.")
+    host: Host = Field(default="127.0.0.1", description="Address the node's HTTP server binds to.")
     port: int = Field(
         default=8081,
         ge=0,
         le=65535,
         description="Port of the node's HTTP server (0: any free port).",
     )
-    bootstrap_servers: str = Field(description="Kafka bootstrap servers, host:port[,host:port].")
-    topic: str = Field(description="The Kafka topic this node materializes.")
-    store: str | None = Field(
+    bootstrap_servers: HostPortList = Field(
+        description="Kafka bootstrap servers, host:port[,host:port]."
+    )
+    topic: Name = Field(description="The Kafka topic this node materializes.")
+    store: Name | None = Field(
         default=None, description="Store name in lookup URLs (default: the topic name)."
     )
     partitions: str = Field(
@@ -48,7 +60,7 @@ class NodeSettings(EnvSettings):
         default=Path("data"),
         description="Where the node keeps its store (RocksDB) and Spark scratch files.",
     )
-    spark_master: str = Field(
+    spark_master: SparkMaster = Field(
         default="local[*]",
         description="Spark master URL: local[*], or a cluster such as spark://host:7077.",
     )
@@ -56,6 +68,13 @@ class NodeSettings(EnvSettings):
         default=None,
         description="Maven coordinates Spark loads (spark.jars.packages), e.g. "
         "org.apache.spark:spark-sql-kafka-0-10_2.13:4.1.1 for KROUTE_SOURCE=spark-kafka.",
+    )
+    max_value_bytes: int = Field(
+        default=8 * 1024 * 1024,
+        ge=1,
+        le=1 << 31,
+        description="Records with larger values are skipped, counted and logged with their "
+        "partition and offset (one outsized record must not stall the store).",
     )
     source: Literal["python", "spark-kafka"] = Field(
         default="python",
@@ -81,11 +100,11 @@ class NodeSettings(EnvSettings):
         le=5_000,
         description="Kafka fetch max wait; keep small (Tansu does not wake waiting fetches).",
     )
-    transform: str | None = Field(
+    transform: ImportPath | None = Field(
         default=None,
         description="Custom Spark transform, module:function (default: latest value per key).",
     )
-    merge: str | None = Field(
+    merge: ImportPath | None = Field(
         default=None,
         description="Merge of a transform's rows with stored values, module:function "
         "(default: replace).",
@@ -103,17 +122,16 @@ class NodeSettings(EnvSettings):
         le=3600,
         description="Longest wait between attempts to reach the broker or restart Spark.",
     )
-    redis_url: SecretStr | None = Field(
+    redis_url: RedisUrl | None = Field(
         default=None,
         description="Redis for the cluster, e.g. redis://:password@host:6379/0 (unset: standalone "
         "node serving KROUTE_PARTITIONS). Printed as ***.",
     )
-    cluster: str = Field(
+    cluster: Name = Field(
         default="default",
-        pattern=r"^[A-Za-z0-9_.-]+$",
         description="Cluster name: the prefix of every Redis key.",
     )
-    advertised_url: str | None = Field(
+    advertised_url: HttpUrl | None = Field(
         default=None,
         description="URL other nodes and proxies use to reach this node (default: http://host:port).",
     )

@@ -20,7 +20,13 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F  # noqa: N812 - Spark's own convention
 
 from materializer.store import Row, Store
-from materializer.transform import CHANGE_COLUMNS, Transform, as_changes, with_problems
+from materializer.transform import (
+    CHANGE_COLUMNS,
+    RecordRules,
+    Transform,
+    as_changes,
+    with_problems,
+)
 
 log = structlog.get_logger("kroute.materializer.sink")
 
@@ -44,15 +50,16 @@ class IngestStats:
 
 class BatchSink:
     def __init__(
-        self, store: Store, transform: Transform, value_format: str, stats: IngestStats
+        self, store: Store, transform: Transform, rules: RecordRules, stats: IngestStats
     ) -> None:
         self._store = store
         self._transform = transform
-        self._value_format = value_format
+        self._rules = rules
+        self._value_format = rules.value_format
         self._stats = stats
 
     def __call__(self, batch: DataFrame, batch_id: int) -> None:
-        checked = with_problems(batch, self._value_format)
+        checked = with_problems(batch, self._rules)
         if self._transform.is_ktable:
             records = checked.select(*CHANGE_COLUMNS, "problem").toArrow()
             changes = records.filter(pc.is_null(records["problem"]))

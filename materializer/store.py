@@ -17,16 +17,18 @@ the caller bounds the records per write (see `max_records_per_partition` in the 
 
 from __future__ import annotations
 
+import shutil
 import struct
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+import structlog
 from rocksdict import ColumnFamily, Options, Rdict, WriteBatch
 
 from common.clock import now_ms
-from materializer.errors import StoreError
+from materializer.errors import StoreCorrupted, StoreError
 
 _VALUE_HEADER = struct.Struct(">qq")  # record offset, record timestamp (ms)
 _CHECKPOINT = struct.Struct(">qqq")  # next offset, newest record time (ms), updated at (ms)
@@ -77,6 +79,31 @@ class ApplyResult:
     checkpoint: Checkpoint
 
 
+log = structlog.get_logger("kroute.materializer.store")
+
+
+def open_or_rebuild(path: Path) -> Store:
+    """Open the store; if RocksDB says its files are damaged, start it empty.
+
+    Everything in the store is derived from Kafka, so a damaged store costs a re-read, never
+    data: the checkpoints go with it and the pipeline reads its partitions from the start
+    (what Kafka Streams does with a corrupted task). The damaged copy is kept beside it, one
+    at a time, for a post-mortem. Any other failure (the lock held by another process, no
+    permission) stops the node: wiping would not help and could hide a second node."""
+    try:
+        return Store(path)
+    except StoreCorrupted as exc:
+        aside = path.with_name(f"{path.name}.corrupted")
+        shutil.rmtree(aside, ignore_errors=True)
+        path.rename(aside)
+        log.error(
+            "store damaged: moved aside, rebuilding it from Kafka",
+            error=str(exc),
+            moved_to=str(aside),
+        )
+        return Store(path)
+
+
 def _raw_options() -> Options:
     options = Options(raw_mode=True)
     options.create_if_missing(True)
@@ -97,7 +124,8 @@ class Store:
         try:
             self._db = Rdict(str(path), _raw_options(), column_families=column_families)
         except Exception as exc:
-            raise StoreError(f"cannot open the store at {path}: {exc}") from exc
+            problem = StoreCorrupted if "Corruption" in str(exc) else StoreError
+            raise problem(f"cannot open the store at {path}: {exc}") from exc
         if _CHECKPOINTS_CF not in existing:
             self._db.create_column_family(_CHECKPOINTS_CF, Options(raw_mode=True))
         self._checkpoints = self._db.get_column_family(_CHECKPOINTS_CF)

@@ -35,15 +35,52 @@ CHANGE_COLUMNS = ("partition", "key", "value", "offset", "timestamp_ms")
 SparkTransform = Callable[[DataFrame], DataFrame]
 
 
-def problem_column(value_format: str) -> Column:
-    """Null when the record can be materialized, else a short reason."""
-    value = F.col("value")
-    problem = F.when(F.col("key").isNull(), F.lit("null key"))
-    if value_format in ("json", "string"):
+@dataclass(frozen=True)
+class RecordRules:
+    """What a record must be to be materialized; anything else is skipped, counted, logged."""
+
+    value_format: str = "json"
+    key_format: str = "string"
+    max_value_bytes: int = 8 * 1024 * 1024
+
+
+_CANONICAL_UUID = "^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$"
+_FIXED_KEY_BYTES = {"int32": 4, "int64": 8}
+
+
+def problem_column(rules: RecordRules) -> Column:
+    """Null when the record can be materialized, else a short reason.
+
+    A key that the lookup side could never produce (not UTF-8 for string keys, not 8 bytes
+    for int64, not the UUIDSerializer's lower-case text) would sit in the store unreachable,
+    so it is a problem, not a row."""
+    key, value = F.col("key"), F.col("value")
+    problem = F.when(key.isNull(), F.lit("null key"))
+    if rules.key_format in ("string", "uuid"):
+        problem = problem.when(~F.is_valid_utf8(key), F.lit("key is not valid UTF-8"))
+    if rules.key_format == "uuid":
+        problem = problem.when(
+            ~key.cast("string").rlike(_CANONICAL_UUID), F.lit("key is not a lower-case UUID")
+        )
+    if rules.key_format in _FIXED_KEY_BYTES:
+        size = _FIXED_KEY_BYTES[rules.key_format]
+        problem = problem.when(
+            F.octet_length(key) != size,
+            F.lit(f"key is not {size} bytes ({rules.key_format})"),
+        )
+    problem = problem.when(
+        value.isNotNull() & (F.octet_length(value) > rules.max_value_bytes),
+        F.concat(
+            F.lit("value is "),
+            F.octet_length(value).cast("string"),
+            F.lit(f" bytes, over KROUTE_MAX_VALUE_BYTES={rules.max_value_bytes}"),
+        ),
+    )
+    if rules.value_format in ("json", "string"):
         problem = problem.when(
             value.isNotNull() & ~F.is_valid_utf8(value), F.lit("value is not valid UTF-8")
         )
-    if value_format == "json":
+    if rules.value_format == "json":
         problem = problem.when(
             value.isNotNull() & F.try_parse_json(value.cast("string")).isNull(),
             F.lit("value is not valid JSON"),
@@ -51,8 +88,8 @@ def problem_column(value_format: str) -> Column:
     return problem
 
 
-def with_problems(records: DataFrame, value_format: str) -> DataFrame:
-    return records.withColumn("problem", problem_column(value_format)).withColumn(
+def with_problems(records: DataFrame, rules: RecordRules) -> DataFrame:
+    return records.withColumn("problem", problem_column(rules)).withColumn(
         "timestamp_ms", F.unix_millis("timestamp")
     )
 

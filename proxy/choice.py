@@ -5,8 +5,13 @@ nodes the proxy has ejected after failures and the current time, `choose_replica
 candidates in the order to try, and for every replica it will not try, why.
 
 Order: the active when it qualifies, then qualifying standbys by least offset lag, least time
-lag, node id. With `spread`, qualifying replicas are rotated by a caller-supplied counter so
-reads are shared among them (they are all within the budget the caller accepted). With
+lag, node id; but replicas that are not known to be in sync come after all that are. A replica
+is in sync when its fresh report shows lag 0 or a moment it was caught up; one that is
+restoring (behind and never caught up since its process started, e.g. rebuilding a lost store)
+or has no fresh report could answer with a store that is hours old, so even an unlimited budget
+uses it only when nothing better is left. With `spread`, qualifying replicas are rotated by a
+caller-supplied counter so reads are shared among them (they are all within the budget the
+caller accepted). With
 `standby_reads` off only the active may answer (Kafka Streams before KIP-535): kept as a
 policy for callers that must read the owner, and as the benchmarks' baseline.
 
@@ -94,7 +99,7 @@ def choose_replicas(
     counter: int = 0,
     standby_reads: bool = True,
 ) -> Choice:
-    eligible: list[tuple[tuple[int, int, int, str], Replica]] = []
+    eligible: list[tuple[tuple[int, int, int, int, str], Replica]] = []
     rejected: list[Rejection] = []
     for replica in replicas:
         reason = _why_not(
@@ -113,6 +118,7 @@ def choose_replicas(
         lag = replica.lag if fresh and replica.lag is not None else 2**62
         time_lag = replica.time_lag_ms(now_ms) if fresh else None
         order = (
+            0 if fresh and _in_sync(replica) else 1,
             0 if replica.role == "active" else 1,
             lag,
             2**62 if time_lag is None else time_lag,
@@ -125,6 +131,11 @@ def choose_replicas(
         shift = counter % len(candidates)
         candidates = candidates[shift:] + candidates[:shift]
     return Choice(tuple(candidates), tuple(rejected))
+
+
+def _in_sync(replica: Replica) -> bool:
+    """Caught up now or at a known moment (so its time lag is bounded), per its report."""
+    return replica.lag == 0 or (replica.lag is not None and replica.caught_up_at_ms is not None)
 
 
 def _fresh(replica: Replica, now_ms: int, stale_after_ms: int) -> bool:

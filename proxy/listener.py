@@ -61,6 +61,8 @@ class ClientConnection(ClientBase, asyncio.Protocol):
         self._client_ip = "unknown"
         self._queue: deque[ClientRequest] = deque()
         self._paused = False
+        # A refusal waiting for the requests before it to be answered (pipelining).
+        self._refusal: tuple[RequestRejected, bool] | None = None
         self._reset_message()
 
     def _reset_message(self) -> None:
@@ -99,7 +101,7 @@ class ClientConnection(ClientBase, asyncio.Protocol):
         self._listener.connections.discard(self)
 
     def slow_data_received(self, data: bytes) -> None:
-        if self.closed:
+        if self.closed or self._refusal is not None:
             return
         if not self._headers_done:
             self._head_bytes += len(data)
@@ -246,27 +248,40 @@ class ClientConnection(ClientBase, asyncio.Protocol):
             self._close()
             return
         if self._queue:
-            if self._paused and len(self._queue) < _MAX_QUEUED and self.transport is not None:
+            refusing = self._refusal is not None  # then nothing more is read
+            if self._paused and not refusing and len(self._queue) < _MAX_QUEUED and self.transport:
                 self.transport.resume_reading()
                 self._paused = False
             request = self._queue.popleft()
-            self.attention = bool(self._queue)
+            self.attention = bool(self._queue) or refusing
             self._dispatch(request)
+            return
+        if self._refusal is not None:
+            self._respond_and_close(*self._refusal)
             return
         self.attention = False
         if not self.reading:
             self.deadline = self._listener.clock() + self._limits.idle_timeout_s
 
     def _reject_and_close(self, rejection: RequestRejected, *, method_known: bool = True) -> None:
-        """A request that cannot be parsed or is over a limit: answer if we may, then close."""
+        """A request that cannot be parsed or is over a limit: answer it, then close. Requests
+        pipelined before it are answered first, in order; nothing after it is read."""
         ProxyMetrics.bump(self._handler.metrics.rejected, rejection.code)
+        # A HEAD request's answer has no body, even a refusal (a partly read method reads as
+        # method 0, DELETE, so only a whole "HEAD" counts).
+        head_only = bool(method_known and self.reading) and self._parser.get_method() == b"HEAD"
+        self.reading = False
         if not self.busy:
-            # A HEAD request's answer has no body, even a refusal (a partly read method
-            # reads as method 0, DELETE, so only a whole "HEAD" counts).
-            head_only = bool(method_known and self.reading) and self._parser.get_method() == b"HEAD"
-            self._refuse_and_close(rejection.status, rejection.payload(), head_only=head_only)
-        else:
-            self._close()
+            self._respond_and_close(rejection, head_only)
+            return
+        self._refusal = (rejection, head_only)
+        self.attention = True  # after_fast_response must see the answers before it end
+        if self.transport is not None and not self._paused:
+            self.transport.pause_reading()
+            self._paused = True
+
+    def _respond_and_close(self, rejection: RequestRejected, head_only: bool) -> None:
+        self._refuse_and_close(rejection.status, rejection.payload(), head_only=head_only)
 
     def _refuse_and_close(
         self, status: int, payload: dict[str, Any], *, head_only: bool = False

@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 from common.clock import now_ms
 from common.contract import Keys
 from common.logging import configure_logging
-from common.settings import SettingsError
+from common.settings import SettingsError, redacted_url
 from proxy._hotpath import Hub
 from proxy.admin import AdminApp
 from proxy.choice import LagBudget
@@ -240,7 +240,7 @@ class Proxy:
             cluster=settings.cluster,
             routes=[spec.path for spec in settings.route_specs()],
             table_loaded=self.watcher.loaded,
-            redis=repr(settings.redis_url),
+            redis=redacted_url(settings.redis_url),
         )
         try:
             await self._stop.wait()

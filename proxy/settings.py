@@ -25,7 +25,14 @@ from pydantic import (
     model_validator,
 )
 
-from common.settings import EnvSettings, known_partitioning_choice
+from common.settings import (
+    EnvSettings,
+    ExistingFile,
+    Host,
+    Name,
+    RedisUrl,
+    known_partitioning_choice,
+)
 
 DEFAULT_ROUTES = '[{"path": "/stores/{store}/keys/{key}"}]'
 
@@ -67,9 +74,9 @@ class RouteSpec(BaseModel):
 
 
 class ProxySettings(EnvSettings):
-    host: str = Field(default="127.0.0.1", description="Address the proxy's data port binds to.")
+    host: Host = Field(default="127.0.0.1", description="Address the proxy's data port binds to.")
     port: int = Field(default=8080, ge=0, le=65535, description="The data port (0: any free).")
-    admin_host: str = Field(
+    admin_host: Host = Field(
         default="127.0.0.1", description="Address of the admin listener (health, metrics, status)."
     )
     admin_port: int = Field(
@@ -80,16 +87,15 @@ class ProxySettings(EnvSettings):
         description="If set, /metrics and /cluster* on the admin port need "
         "'Authorization: Bearer <token>'. Printed as ***.",
     )
-    redis_url: SecretStr = Field(
+    redis_url: RedisUrl = Field(
         description="Redis holding the routing data, e.g. redis://:password@host:6379/0 or "
         "rediss:// for TLS. Printed as ***."
     )
-    redis_ca_file: str | None = Field(
+    redis_ca_file: ExistingFile | None = Field(
         default=None, description="CA bundle to verify Redis's TLS certificate (rediss:// URLs)."
     )
-    cluster: str = Field(
+    cluster: Name = Field(
         default="default",
-        pattern=r"^[A-Za-z0-9_.-]+$",
         description="Cluster name: the prefix of every Redis key.",
     )
     routes: str = Field(

@@ -83,24 +83,42 @@ class Cluster:
 
     def settled(self, alive: set[str]) -> bool:
         """Every live node reports the current generation and has caught up on it."""
+        return self.unsettled(alive) is None
+
+    def unsettled(self, alive: set[str]) -> str | None:
+        """What keeps the cluster from being settled (None: nothing)."""
         try:
             assignment = self.assignment()
         except AssertionError:
-            return False
+            return "no assignment"
         ends = self.ends()
-        for name in alive:
-            raw = self.redis.get(self.keys.hosting(name))
-            if raw is None or decode_hosting(raw).generation != assignment.generation:
-                return False
-            mine = assignment.for_node(name).get("customers", {})
-            for p in mine.get("active", []) + mine.get("standby", []):
-                report = self.redis.hget(self.keys.lag(name), lag_field("customers", p))
-                if report is None or decode_report(report).current_offset != ends[p]:
-                    return False
+        for name in sorted(alive):
+            behind = self._node_behind(name, assignment, ends)
+            if behind is not None:
+                return behind
         covered = {
             n for placed in assignment.stores["customers"].values() for n in placed.replicas()
         }
-        return covered == alive and len(assignment.stores["customers"]) == PARTITIONS
+        if covered != alive or len(assignment.stores["customers"]) != PARTITIONS:
+            return f"assignment covers {sorted(covered)}, alive {sorted(alive)}"
+        return None
+
+    def _node_behind(self, name: str, assignment: Assignment, ends: dict[int, int]) -> str | None:
+        raw = self.redis.get(self.keys.hosting(name))
+        if raw is None:
+            return f"{name} reports no hosting"
+        hosted = decode_hosting(raw).generation
+        if hosted != assignment.generation:
+            return f"{name} hosts generation {hosted}, not {assignment.generation}"
+        mine = assignment.for_node(name).get("customers", {})
+        for p in mine.get("active", []) + mine.get("standby", []):
+            report = self.redis.hget(self.keys.lag(name), lag_field("customers", p))
+            if report is None:
+                return f"{name} reports no lag for partition {p}"
+            offset = decode_report(report).current_offset
+            if offset != ends[p]:
+                return f"{name} partition {p} at {offset}, end {ends[p]}"
+        return None
 
     def wait_settled(self, alive: set[str], timeout_s: float = 180) -> Assignment:
         """Until settled() has held, on one generation, for several leader rounds."""
@@ -122,9 +140,10 @@ class Cluster:
 
 
 def build_cluster(
-    embedded: EmbeddedServices, broker: BrokerHandle, workdir: Path, grace_s: float
+    embedded: EmbeddedServices, broker: BrokerHandle, workdir: Path, grace_s: float, **extra: str
 ) -> Cluster:
-    """Three nodes (not yet ready) on a fresh topic with 1,200 seed records, own redis."""
+    """Three nodes (not yet ready) on a fresh topic with 1,200 seed records, own redis;
+    `extra`: more node settings (KROUTE_* names without the prefix)."""
     redis_server = embedded.start_redis()  # its own: tests restart it
     name = f"test-{uuid.uuid4().hex[:8]}"
     topic = f"cluster-{name}"
@@ -138,6 +157,7 @@ def build_cluster(
         "standbys": "1",
         "alive_ttl_ms": "2000",
         "heartbeat_ms": "300",
+        **extra,
     }
     built = Cluster(
         embedded,

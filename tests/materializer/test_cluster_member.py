@@ -78,3 +78,20 @@ def test_only_the_lease_holder_writes_the_assignment(redis_server):
     is_leader, assignment = asyncio.run(scenario())
     assert not is_leader
     assert assignment is None
+
+
+def test_a_restarted_node_replaces_the_reports_its_last_run_left(redis_server):
+    # The last run reported partition 0 caught up; this run has not measured anything yet
+    # (restoring a lost store, say). Proxies must not take the old report for a current one.
+    keys = Keys(f"t-{uuid.uuid4().hex[:8]}")
+
+    async def scenario() -> dict[bytes, bytes]:
+        restarted = member(redis_server.url, keys, None)
+        try:
+            await restarted.redis.hset(keys.lag("a"), "customers/0", b"caught up, last run")
+            await restarted.report()
+            return await restarted.redis.hgetall(keys.lag("a"))
+        finally:
+            await restarted.redis.aclose()
+
+    assert asyncio.run(scenario()) == {}

@@ -8,6 +8,7 @@ import json
 import httpx
 import pytest
 
+from common.clock import now_ms
 from materializer.lag import LagTracker
 from materializer.server import NodeApp, NodeState
 from materializer.sink import IngestStats
@@ -23,6 +24,12 @@ def partition_of(key: str) -> int:
 
 def a_key_not_in(hosted: tuple[int, ...]) -> str:
     return next(f"k{i}" for i in range(1000) if partition_of(f"k{i}") not in hosted)
+
+
+def forget_the_ends(state: NodeState) -> None:
+    """As just after a start: positions known from the store, the topic's ends not read yet."""
+    state.lag = LagTracker(state.store, "bookings", lambda: state.hosted)
+    state.lag.refresh_offsets_only()
 
 
 @pytest.fixture
@@ -51,7 +58,7 @@ def node_state(tmp_path):
         hosted=hosted,
         pipeline_status=lambda: {"running": True},
     )
-    state.lag.refresh_offsets_only()
+    state.lag.apply_ends(dict.fromkeys(hosted, 8), now_ms())
     yield state
     store.close()
 
@@ -93,6 +100,17 @@ def test_absent_key_is_404_with_its_partition(node_state):
     response = get(node_state, f"/stores/customers/keys/{key}")
     assert response.status_code == 404
     assert response.json()["error"] == "key_not_found"
+    assert response.json()["partition"] == partition_of(key)
+
+
+def test_before_the_node_knows_how_far_behind_it_is_a_lookup_is_421_not_ready(node_state):
+    # Just started (or restoring a lost store) with the broker not read yet: a 404 could be
+    # a key the store has not reached. 421 makes a proxy ask another replica.
+    forget_the_ends(node_state)
+    key = hosted_key(node_state)
+    response = get(node_state, f"/stores/customers/keys/{key}")
+    assert response.status_code == 421
+    assert response.json()["error"] == "not_ready"
     assert response.json()["partition"] == partition_of(key)
 
 
@@ -148,6 +166,7 @@ def test_metadata_lists_hosted_partitions(node_state):
 
 
 def test_not_ready_until_every_partition_caught_up_once(node_state):
+    forget_the_ends(node_state)
     response = get(node_state, "/health/ready")
     assert response.status_code == 503  # no end offsets read yet
     assert response.json()["catching_up"] == [0, 1, 2]

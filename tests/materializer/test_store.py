@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
-from materializer.errors import StoreError
-from materializer.store import Row, Store
+from materializer.errors import StoreCorrupted, StoreError
+from materializer.store import Row, Store, open_or_rebuild
 
 
 def rows(*triples):
@@ -97,3 +98,53 @@ def test_merge_combines_with_the_stored_value_and_earlier_rows_of_the_batch(stor
 def test_unknown_partition_is_refused(store):
     with pytest.raises(StoreError):
         store.apply(7, rows((b"k", b"v", 0)), 1, None)
+
+
+def filled(path: Path) -> None:
+    made = Store(path)
+    made.add_partition(1)
+    made.apply(1, rows(*((b"k%d" % i, b"v" * 50, i) for i in range(2_000))), 2_000, None)
+    made.close()
+
+
+def damage_current(path: Path) -> None:
+    (path / "CURRENT").write_text("not a manifest name\n")
+
+
+def damage_manifest(path: Path) -> None:
+    manifest = next(path.glob("MANIFEST-*"))
+    manifest.write_bytes(b"\xff" * 64 + manifest.read_bytes()[64:])
+
+
+def lose_table_files(path: Path) -> None:
+    for table in [*path.glob("*.sst"), *path.glob("*.log")]:
+        table.unlink()
+
+
+@pytest.mark.parametrize("damage", [damage_current, damage_manifest, lose_table_files])
+def test_a_damaged_store_is_moved_aside_and_rebuilt_empty(tmp_path, damage):
+    path = tmp_path / "s"
+    filled(path)
+    damage(path)
+    with pytest.raises(StoreCorrupted):
+        Store(path).close()
+    rebuilt = open_or_rebuild(path)
+    try:
+        assert rebuilt.partitions() == frozenset()  # no checkpoint: read from the start
+        assert (tmp_path / "s.corrupted" / "LOCK").exists()  # kept for a post-mortem
+    finally:
+        rebuilt.close()
+
+
+def test_a_store_held_by_another_process_is_an_error_not_a_rebuild(tmp_path):
+    path = tmp_path / "s"
+    filled(path)
+    holder = Store(path)  # RocksDB's LOCK: a second opener fails, wherever it is
+    try:
+        with pytest.raises(StoreError) as raised:
+            open_or_rebuild(path)
+        assert not isinstance(raised.value, StoreCorrupted)
+        assert holder.checkpoint(1).next_offset == 2_000
+        assert not (tmp_path / "s.corrupted").exists()
+    finally:
+        holder.close()

@@ -12,7 +12,7 @@ from materializer.examples.bookings import booking_summary, merge_summary
 from materializer.kafka_source import SCHEMA
 from materializer.sink import BatchSink, IngestStats
 from materializer.store import Store
-from materializer.transform import KTABLE, load_transform
+from materializer.transform import KTABLE, RecordRules, load_transform
 
 pytestmark = pytest.mark.integration
 
@@ -39,7 +39,7 @@ def store(tmp_path):
 
 def test_ktable_keeps_the_latest_value_and_applies_deletes(spark, store):
     stats = IngestStats()
-    sink = BatchSink(store, KTABLE, "json", stats)
+    sink = BatchSink(store, KTABLE, RecordRules("json"), stats)
     sink(
         records(
             spark,
@@ -76,7 +76,7 @@ def test_bad_records_are_skipped_counted_and_still_advance_the_checkpoint(
     spark, store, value_format, value, problem
 ):
     stats = IngestStats()
-    sink = BatchSink(store, KTABLE, value_format, stats)
+    sink = BatchSink(store, KTABLE, RecordRules(value_format), stats)
     batch = [(0, 0, b"good", b'"fine"'), (0, 1, b"bad", value), (0, 2, None, b'"no key"')]
     with capture_logs() as logs:
         sink(records(spark, batch), 0)
@@ -90,9 +90,53 @@ def test_bad_records_are_skipped_counted_and_still_advance_the_checkpoint(
     assert skipped == {(0, 1, problem), (0, 2, "null key")}
 
 
+UUID = b"123e4567-e89b-12d3-a456-426614174000"
+
+
+@pytest.mark.parametrize(
+    ("key_format", "good_and_bad", "problem"),
+    [
+        ("string", (b"alice", b"\xff\xfe"), "key is not valid UTF-8"),
+        ("int64", ((7).to_bytes(8, "big"), (7).to_bytes(4, "big")), "key is not 8 bytes (int64)"),
+        ("int32", ((7).to_bytes(4, "big"), b"7"), "key is not 4 bytes (int32)"),
+        ("uuid", (UUID, UUID.upper()), "key is not a lower-case UUID"),
+    ],
+)
+def test_keys_a_lookup_could_never_reach_are_skipped_and_logged(
+    spark, store, key_format, good_and_bad, problem
+):
+    good_key, bad_key = good_and_bad
+    stats = IngestStats()
+    sink = BatchSink(store, KTABLE, RecordRules("json", key_format), stats)
+    with capture_logs() as logs:
+        sink(records(spark, [(1, 0, good_key, b"1"), (1, 1, bad_key, b"2")]), 0)
+    assert store.get(1, good_key).value == b"1"
+    assert store.get(1, bad_key) is None
+    assert stats.problems_by_partition == {1: 1}
+    assert [(e["partition"], e["offset"], e["problem"]) for e in logs if "problem" in e] == [
+        (1, 1, problem)
+    ]
+
+
+def test_oversized_values_are_skipped_and_the_batch_goes_on(spark, store):
+    stats = IngestStats()
+    sink = BatchSink(store, KTABLE, RecordRules("json", max_value_bytes=1000), stats)
+    huge = json.dumps({"blob": "x" * 5000}).encode()
+    with capture_logs() as logs:
+        sink(records(spark, [(0, 0, b"big", huge), (0, 1, b"small", b'"ok"')]), 0)
+    assert store.get(0, b"big") is None
+    assert store.get(0, b"small").value == b'"ok"'
+    assert store.checkpoint(0).next_offset == 2
+    (skipped,) = [e for e in logs if e["event"] == "record skipped"]
+    assert skipped["problem"] == f"value is {len(huge)} bytes, over KROUTE_MAX_VALUE_BYTES=1000"
+    assert (skipped["partition"], skipped["offset"]) == (0, 0)
+
+
 def test_bytes_values_are_never_malformed(spark, store):
     stats = IngestStats()
-    BatchSink(store, KTABLE, "bytes", stats)(records(spark, [(0, 0, b"k", b"\xff\xfe\x00")]), 0)
+    BatchSink(store, KTABLE, RecordRules("bytes"), stats)(
+        records(spark, [(0, 0, b"k", b"\xff\xfe\x00")]), 0
+    )
     assert store.get(0, b"k").value == b"\xff\xfe\x00"
     assert stats.problems() == 0
 
@@ -109,7 +153,7 @@ def test_booking_summary_counts_across_batches_and_restarts_after_a_delete(spark
     assert transform.function is booking_summary
     assert transform.merge is merge_summary
     stats = IngestStats()
-    sink = BatchSink(store, transform, "json", stats)
+    sink = BatchSink(store, transform, RecordRules("json"), stats)
     sink(
         records(
             spark,

@@ -91,10 +91,11 @@ class _EchoProtocol(asyncio.Protocol):
 
 
 class EchoBackend:
-    def __init__(self, node_id: str) -> None:
+    def __init__(self, node_id: str, host: str = "127.0.0.1") -> None:
         self.node_id = node_id
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.host = host
+        self.port = free_port(host)
+        self.url = f"http://{host}:{self.port}"
         self.requests: list[dict[str, Any]] = []
         self.connections = 0
         self.transports: set[asyncio.Transport | None] = set()
@@ -111,7 +112,7 @@ class EchoBackend:
 
     async def _serve(self) -> None:
         self._server = await self._loop.create_server(
-            lambda: _EchoProtocol(self), "127.0.0.1", self.port
+            lambda: _EchoProtocol(self), self.host, self.port
         )
 
     def stop(self) -> None:

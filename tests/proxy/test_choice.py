@@ -74,16 +74,35 @@ def test_every_replica_is_either_a_candidate_or_rejected_with_a_reason(replicas,
 
 @settings(max_examples=500)
 @given(replica_sets(), budgets)
-def test_the_active_comes_first_then_standbys_by_least_lag(replicas, budget):
+def test_in_sync_replicas_first_each_group_active_then_standbys_by_least_lag(replicas, budget):
     choice = choose_replicas(replicas, budget, now_ms=NOW)
-    roles = [r.role for r in choice.candidates]
-    assert roles == sorted(roles, key=lambda role: role != "active")
-    standby_lags = [
-        (r.lag if fresh(r) and r.lag is not None else 2**62)
-        for r in choice.candidates
-        if r.role == "standby"
-    ]
-    assert standby_lags == sorted(standby_lags)
+    in_sync = [in_sync_now(r) for r in choice.candidates]
+    assert in_sync == sorted(in_sync, reverse=True)
+    for group in (True, False):
+        members = [r for r in choice.candidates if in_sync_now(r) == group]
+        roles = [r.role for r in members]
+        assert roles == sorted(roles, key=lambda role: role != "active")
+        standby_lags = [
+            (r.lag if fresh(r) and r.lag is not None else 2**62)
+            for r in members
+            if r.role == "standby"
+        ]
+        assert standby_lags == sorted(standby_lags)
+
+
+def in_sync_now(replica: Replica) -> bool:
+    """Reported caught up, or caught up at a known moment, in a fresh report."""
+    return fresh(replica) and (
+        replica.lag == 0 or (replica.lag is not None and replica.caught_up_at_ms is not None)
+    )
+
+
+def test_a_restoring_active_answers_only_after_an_in_sync_standby():
+    restoring = Replica("a", "http://a", "active", True, 5_000, None, NOW - 100)
+    standby = Replica("b", "http://b", "standby", True, 3, NOW - 400, NOW - 100)
+    unreported = Replica("c", "http://c", "standby", True, None, None, None)
+    choice = choose_replicas((restoring, standby, unreported), LagBudget(), now_ms=NOW)
+    assert [r.node_id for r in choice.candidates] == ["b", "a", "c"]
 
 
 @settings(max_examples=300)

@@ -118,6 +118,18 @@ def test_pipelined_requests_are_answered_in_order(stand_ins):
     ]
 
 
+def test_a_malformed_request_after_good_ones_is_refused_after_they_are_answered(stand_ins):
+    # Found by the fuzzer: the refusal used to close the connection and drop the answers.
+    good = b"".join(
+        b"GET /stores/customers/keys/k%d HTTP/1.1\r\nHost: x\r\n\r\n" % i for i in range(3)
+    )
+    before = stand_ins.received()
+    responses = exchange(stand_ins, good + b"\x00ET / HTTP/1.1\r\n\r\n" + good, wait_s=1.0)
+    assert [status for status, _ in responses] == [200, 200, 200, 400]
+    assert json.loads(responses[3][1])["error"] == "bad_request"
+    assert stand_ins.received() - before == 3  # nothing after the refusal was read
+
+
 def test_a_slow_client_gets_408_and_is_disconnected(stand_ins):
     port = int(stand_ins.proxy.url.rsplit(":", 1)[1])
     started = time.monotonic()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.settings import SettingsError
+from common.settings import SettingsError, redacted_url
 from proxy.settings import ProxySettings
 
 BASE = {"KROUTE_REDIS_URL": "redis://:s3cret@127.0.0.1:6379/0"}
@@ -46,3 +46,15 @@ def test_each_bad_value_names_its_variable(variable, value, message):
 def test_allowed_networks_parse():
     settings = ProxySettings.from_env({**BASE, "KROUTE_ALLOWED_NETWORKS": "127.0.0.0/8, ::1/128"})
     assert [str(n) for n in settings.networks() or ()] == ["127.0.0.0/8", "::1/128"]
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://:s3cret@10.0.0.1:6379/0", "redis://***@10.0.0.1:6379/0"),
+        ("rediss://user:s3cret@redis.internal:6380", "rediss://***@redis.internal:6380"),
+        ("redis://10.0.0.1:6379/0", "redis://10.0.0.1:6379/0"),
+    ],
+)
+def test_redis_url_in_logs_keeps_the_address_and_hides_credentials(url, shown):
+    assert redacted_url(ProxySettings.from_env({"KROUTE_REDIS_URL": url}).redis_url) == shown

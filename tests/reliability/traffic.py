@@ -1,0 +1,127 @@
+"""Traffic for the fault tests: a writer that keeps changing the topic, readers that keep asking.
+
+Readers keep every outcome (status, latency, answer), so a test can say afterwards what failed,
+what hung and whether what was served was right.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from confluent_kafka import Producer
+
+ANSWERED = (200, 404)  # a value, or "no such key": both are answers, not failures
+
+
+class Writer:
+    """Updates and deletes (tombstones) of `keys` at about `rate` records a second."""
+
+    def __init__(self, bootstrap: str, topic: str, keys: list[str], rate: float = 40) -> None:
+        self._producer = Producer(
+            {"bootstrap.servers": bootstrap, "partitioner": "murmur2_random", "linger.ms": 5}
+        )
+        self._topic, self._keys, self._interval = topic, keys, 1 / rate
+        self._running = threading.Event()
+        self._stop = threading.Event()
+        self._idle = threading.Event()
+        self.written = 0
+        self._thread = threading.Thread(target=self._run, name="writer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        chooser = random.Random(7)
+        while not self._stop.is_set():
+            if not self._running.wait(0.1):
+                self._idle.set()
+                continue
+            self._idle.clear()
+            key = chooser.choice(self._keys)
+            value = None if chooser.random() < 0.2 else json.dumps({"n": self.written}).encode()
+            self._producer.produce(self._topic, key=key.encode(), value=value)
+            self._producer.poll(0)
+            self.written += 1
+            time.sleep(self._interval)
+
+    def resume(self) -> None:
+        self._running.set()
+
+    def pause(self) -> None:
+        """Stop writing and wait until everything written is in the topic."""
+        self._running.clear()
+        self._idle.wait(5)
+        assert self._producer.flush(30) == 0, "records not delivered"
+
+    def close(self) -> None:
+        self.pause()
+        self._stop.set()
+        self._thread.join(5)
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    at: float  # time.monotonic() when sent
+    key: str
+    status: int  # 0: no HTTP answer at all
+    latency_s: float
+    answer: Any  # the JSON body (a 200's carries the value and where it came from), or the error
+
+
+class Readers:
+    """`threads` loops of keyed GETs through the proxy at `url`, until stopped."""
+
+    def __init__(
+        self,
+        url: str,
+        keys: list[str],
+        threads: int = 2,
+        headers: dict[str, str] | None = None,
+        timeout_s: float = 5,
+    ) -> None:
+        self.outcomes: list[Outcome] = []
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(
+                target=self._run, args=(url, keys, i, headers or {}, timeout_s), daemon=True
+            )
+            for i in range(threads)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _run(
+        self, url: str, keys: list[str], seed: int, headers: dict[str, str], timeout_s: float
+    ) -> None:
+        chooser = random.Random(seed)
+        with httpx.Client(base_url=url, timeout=timeout_s, headers=headers) as client:
+            while not self._stop.is_set():
+                key = chooser.choice(keys)
+                started = time.monotonic()
+                try:
+                    response = client.get(f"/stores/customers/keys/{key}")
+                except httpx.HTTPError as exc:
+                    outcome = Outcome(started, key, 0, time.monotonic() - started, repr(exc))
+                else:
+                    outcome = Outcome(
+                        started,
+                        key,
+                        response.status_code,
+                        time.monotonic() - started,
+                        response.json(),
+                    )
+                self.outcomes.append(outcome)
+
+    def stop(self) -> list[Outcome]:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(30)
+        return self.outcomes
+
+
+def failures(outcomes: list[Outcome]) -> list[Outcome]:
+    return [o for o in outcomes if o.status not in ANSWERED]

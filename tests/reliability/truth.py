@@ -1,0 +1,85 @@
+"""What the nodes must serve, computed from the topic itself, and the check that they do.
+
+The ground truth is the topic read from offset 0 to the high watermarks with an independent
+consumer (confluent-kafka): the latest value per key, and a tombstone deletes. The check asks
+every live replica of every key's partition, so a replica that lost, kept or resurrected a
+key is caught even when the other replica is right.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import httpx
+from confluent_kafka import Consumer, TopicPartition
+
+from partitioner import partition
+from tests.cluster_helpers import PARTITIONS, Cluster
+
+Truth = dict[str, Any]  # key -> value (None: deleted)
+
+
+def read_topic(bootstrap: str, topic: str, ends: dict[int, int], timeout_s: float = 60) -> Truth:
+    consumer = Consumer(
+        {"bootstrap.servers": bootstrap, "group.id": "truth", "enable.auto.commit": False}
+    )
+    latest: Truth = {}
+    try:
+        consumer.assign([TopicPartition(topic, p, 0) for p in ends if ends[p] > 0])
+        remaining = {p for p, end in ends.items() if end > 0}
+        deadline = time.monotonic() + timeout_s
+        while remaining:
+            assert time.monotonic() < deadline, f"topic not read to its end: {remaining}"
+            message = consumer.poll(0.5)
+            if message is None:
+                continue
+            assert message.error() is None, message.error()
+            if message.offset() >= ends[message.partition()]:
+                remaining.discard(message.partition())
+                continue
+            raw = message.value()
+            latest[message.key().decode()] = None if raw is None else json.loads(raw)
+            if message.offset() + 1 >= ends[message.partition()]:
+                remaining.discard(message.partition())
+    finally:
+        consumer.close()
+    return latest
+
+
+def wait_caught_up(cluster: Cluster, alive: set[str], timeout_s: float = 180) -> None:
+    """Until every live node's replicas have applied everything up to the current ends."""
+    deadline = time.monotonic() + timeout_s
+    while not cluster.settled(alive):
+        for name in alive:
+            process = cluster.nodes[name].process
+            assert process.is_running(), process.log_tail(40)
+        assert time.monotonic() < deadline, f"replicas did not catch up: {cluster.unsettled(alive)}"
+        time.sleep(0.3)
+
+
+def assert_replicas_serve_the_topic(cluster: Cluster, alive: set[str]) -> int:
+    """Every live replica of every key answers exactly the topic's latest value (404 when
+    deleted). Writers must be paused. Returns the number of keys checked."""
+    wait_caught_up(cluster, alive)
+    truth = read_topic(cluster.bootstrap, cluster.topic, cluster.ends())
+    placements = cluster.assignment().stores["customers"]
+    wrong: list[str] = []
+    clients = {n: httpx.Client(base_url=cluster.nodes[n].url, timeout=10) for n in alive}
+    try:
+        for key, value in truth.items():
+            for name in placements[partition(key.encode(), PARTITIONS)].replicas():
+                if name not in alive:
+                    continue
+                response = clients[name].get(f"/stores/customers/keys/{key}")
+                served = response.json().get("value") if response.status_code == 200 else None
+                if value is None and response.status_code != 404:
+                    wrong.append(f"{name} resurrected {key}: {response.status_code} {served}")
+                elif value is not None and served != value:
+                    wrong.append(f"{name} {key}: {response.status_code} {served} != {value}")
+    finally:
+        for client in clients.values():
+            client.close()
+    assert not wrong, f"{len(wrong)} wrong answers, e.g. {wrong[:5]}"
+    return len(truth)
