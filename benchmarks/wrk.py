@@ -23,13 +23,16 @@ def run_wrk(
     connections: int = 8,
     path_prefix: str = "/stores/customers/keys/customer-",
     keys: int = 50_000,
+    headers: tuple[str, ...] = (),
 ) -> dict[str, Any]:
-    """GETs of path_prefix + a random key number, one wrk thread; rps, p50/p99 ms, non-2xx."""
+    """GETs of path_prefix + a random key number, one wrk thread; rps, p50/p99 ms, non-2xx.
+    `headers`: extra "name: value" lines on every request."""
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
         script.write(KEYED_SCRIPT % (path_prefix, keys - 1))
     try:
         completed = subprocess.run(
-            ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--latency", "-s", script.name, url],
+            ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--latency", "-s", script.name,
+             *(arg for header in headers for arg in ("-H", header)), url],
             capture_output=True, text=True, timeout=seconds + 30, check=True,
         )  # fmt: skip
     finally:
