@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import statistics
 import threading
 import time
 from collections.abc import Iterator
@@ -130,3 +131,18 @@ class ProcessSampler:
             return []
         first = mine[0].at
         return [(round(s.at - first, 1), round(s.rss_bytes / 2**20, 1)) for s in mine]
+
+    def rss_per_minute(self, component: str, since: float, minutes: int) -> list[float | None]:
+        """Mean resident MB of a component in each minute after `since` (monotonic); moments
+        when its process was not running (restarts) do not count; None for a minute without
+        samples."""
+        series = [
+            (s.at - since, s.rss_bytes / 2**20)
+            for s in self.samples
+            if s.component == component and s.at >= since and s.rss_bytes > 0
+        ]
+        means: list[float | None] = []
+        for m in range(minutes):
+            inside = [mb for t, mb in series if m * 60 <= t < (m + 1) * 60]
+            means.append(round(statistics.mean(inside), 1) if inside else None)
+        return means

@@ -25,7 +25,6 @@ import json
 import os
 import shutil
 import signal
-import statistics
 import sys
 import tempfile
 import time
@@ -33,13 +32,13 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from benchmarks.loadgen import Outcome
 from benchmarks.results_file import git_revision, machine_notes, write_json, write_section
 from benchmarks.system_bench import (
     NODE_NAMES,
     Bench,
     SteadyWriter,
     key_samples,
+    per_minute,
     percentile,
     say,
     spark_jvm,
@@ -73,37 +72,17 @@ def kill_and_restart(bench: Bench, name: str, down_s: float) -> dict[str, Any]:
     }
 
 
-def per_minute(outcomes: list[Outcome], began: float, minutes: int) -> list[dict[str, Any]]:
-    rows = []
-    for m in range(minutes):
-        group = [o for o in outcomes if m * 60 <= o.sent_at - began < (m + 1) * 60]
-        rows.append(
-            {
-                "minute": m + 1,
-                "requests": len(group),
-                "failed": sum(o.status != 200 for o in group),
-                "p50_ms": percentile([o.latency_ms for o in group], 0.5),
-                "p99_ms": percentile([o.latency_ms for o in group], 0.99),
-            }
-        )
-    return rows
-
-
 def memory_per_minute(bench: Bench, began_monotonic: float, minutes: int) -> dict[str, Any]:
     memory: dict[str, Any] = {}
     for component in COMPONENTS:
-        series = [
-            (s.at - began_monotonic, s.rss_bytes / 2**20)
+        sizes = [
+            s.rss_bytes / 2**20
             for s in bench.sampler.samples
-            if s.component == component and s.at >= began_monotonic and s.rss_bytes > 0
+            if s.component == component and s.at >= began_monotonic
         ]
-        minutes_mb = []
-        for m in range(minutes):
-            inside = [mb for t, mb in series if m * 60 <= t < (m + 1) * 60]
-            minutes_mb.append(round(statistics.mean(inside), 1) if inside else None)
         memory[component] = {
-            "per_minute_mb": minutes_mb,
-            "max_mb": round(max((mb for _, mb in series), default=0.0), 1),
+            "per_minute_mb": bench.sampler.rss_per_minute(component, began_monotonic, minutes),
+            "max_mb": round(max(sizes, default=0.0), 1),
         }
     return memory
 

@@ -747,16 +747,10 @@ def soak(bench: Bench, minutes: float, rate: float) -> dict[str, Any]:
         memory[component] = {
             "first_minute_mb": round(statistics.mean(first), 1),
             "last_minute_mb": round(statistics.mean(last), 1),
-            "per_minute_mb": [
-                round(statistics.mean(mb for t, mb in series if m * 60 <= t < (m + 1) * 60), 1)
-                for m in range(int(minutes))
-            ],
+            "per_minute_mb": bench.sampler.rss_per_minute(component, soak_began, int(minutes)),
         }
-    per_minute_p99 = []
     start = outcomes[0].sent_at if outcomes else 0
-    for m in range(int(minutes)):
-        group = [o.latency_ms for o in outcomes if m * 60 <= o.sent_at - start < (m + 1) * 60]
-        per_minute_p99.append(percentile(group, 0.99))
+    per_minute_p99 = [row["p99_ms"] for row in per_minute(outcomes, start, int(minutes))]
     return {
         "minutes": minutes,
         "rate": rate,
@@ -765,6 +759,23 @@ def soak(bench: Bench, minutes: float, rate: float) -> dict[str, Any]:
         "p99_ms_per_minute": per_minute_p99,
         "memory": memory,
     }
+
+
+def per_minute(outcomes: list[Outcome], began: float, minutes: int) -> list[dict[str, Any]]:
+    """Requests, failures, p50 and p99 in each minute after `began` (wall clock)."""
+    rows = []
+    for m in range(minutes):
+        group = [o for o in outcomes if m * 60 <= o.sent_at - began < (m + 1) * 60]
+        rows.append(
+            {
+                "minute": m + 1,
+                "requests": len(group),
+                "failed": sum(o.status != 200 for o in group),
+                "p50_ms": percentile([o.latency_ms for o in group], 0.5),
+                "p99_ms": percentile([o.latency_ms for o in group], 0.99),
+            }
+        )
+    return rows
 
 
 # Report ----------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
+import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Self
@@ -68,9 +69,17 @@ def _describe(error: Any, values: dict[str, Any], fields: Mapping[str, FieldInfo
     variable = ENV_PREFIX + field.upper()
     if error["type"] == "missing":
         return f"{variable} is required"
-    secret = field in fields and "SecretStr" in str(fields[field].annotation)
-    shown = "'***'" if secret else repr(values.get(field))  # a bad secret is still a secret
+    shown = "'***'" if _is_secret(fields.get(field)) else repr(values.get(field))
     return f"{variable}={shown}: {error['msg']}"
+
+
+def _is_secret(field: FieldInfo | None) -> bool:
+    """A SecretStr setting (or an optional one): even an invalid value is never repeated."""
+    if field is None:
+        return False
+    types = (field.annotation, *typing.get_args(field.annotation))
+    # RedisUrl | None keeps RedisUrl's Annotated wrapper inside the union: look through it.
+    return any(t is SecretStr or typing.get_args(t)[:1] == (SecretStr,) for t in types)
 
 
 _HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"

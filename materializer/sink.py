@@ -55,7 +55,6 @@ class BatchSink:
         self._store = store
         self._transform = transform
         self._rules = rules
-        self._value_format = rules.value_format
         self._stats = stats
 
     def __call__(self, batch: DataFrame, batch_id: int) -> None:
@@ -82,7 +81,7 @@ class BatchSink:
             problems = _problems(part_records)
             in_partition = pc.equal(changes["partition"], partition)
             part_changes = changes.filter(in_partition).sort_by("offset")
-            rows = _rows(part_changes, self._value_format == "json", problems)
+            rows = _rows(part_changes, self._rules.value_format == "json", problems)
             result = self._store.apply(partition, rows, next_offset, newest, self._transform.merge)
             self._report_problems(batch_id, partition, problems)
             written += result.written

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import socket
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pytest
@@ -39,6 +41,27 @@ class StandIns:
     def received(self) -> int:
         return sum(len(b.requests) for b in self.backends.values())
 
+    @property
+    def proxy_port(self) -> int:
+        return int(self.proxy.url.rsplit(":", 1)[1])
+
+    def send_raw(self, raw: bytes, quiet_s: float, limit_s: float = 10.0) -> bytes:
+        """Write `raw` on a new connection to the proxy; what comes back until the proxy
+        closes (or resets) the connection or says nothing for `quiet_s`."""
+        received = b""
+        with socket.create_connection(("127.0.0.1", self.proxy_port), timeout=quiet_s) as sock:
+            sock.sendall(raw)
+            deadline = time.monotonic() + limit_s
+            while time.monotonic() < deadline:
+                try:
+                    chunk = sock.recv(65536)
+                except (TimeoutError, ConnectionResetError):
+                    break
+                if not chunk:
+                    break
+                received += chunk
+        return received
+
 
 def publish_stand_ins(
     client: redis.Redis, keys: Keys, backends: dict[str, EchoBackend]
@@ -68,11 +91,16 @@ PROXY_SETTINGS = {
 }
 
 
-@pytest.fixture(scope="module")
-def stand_ins(embedded: EmbeddedServices) -> Iterator[StandIns]:
-    redis_server = embedded.start_redis()  # its own: a test restarts it
+@contextmanager
+def running_stand_ins(
+    embedded: EmbeddedServices,
+    redis_server: RedisHandle,
+    backends: dict[str, EchoBackend],
+    **proxy_settings: str,
+) -> Iterator[StandIns]:
+    """`backends` published as a cluster in `redis_server`, a proxy before them; everything
+    (backends and redis-server included) stopped afterwards."""
     client = redis.Redis.from_url(redis_server.url)
-    backends = {f"n{i}": EchoBackend(f"n{i}").start() for i in range(3)}
     keys = Keys(f"t-{uuid.uuid4().hex[:8]}")
     published_at_ms = int(time.time() * 1000)
     cluster = publish_stand_ins(client, keys, backends)
@@ -81,7 +109,7 @@ def stand_ins(embedded: EmbeddedServices) -> Iterator[StandIns]:
         redis_server.url,
         name=f"proxy-{keys.cluster}",
         cluster=keys.cluster,
-        **PROXY_SETTINGS,
+        **proxy_settings,
     )
     try:
         yield StandIns(embedded, redis_server, client, backends, cluster, proxy, published_at_ms)
@@ -92,3 +120,11 @@ def stand_ins(embedded: EmbeddedServices) -> Iterator[StandIns]:
             backend.shutdown()
         client.close()
         redis_server.process.stop()
+
+
+@pytest.fixture(scope="module")
+def stand_ins(embedded: EmbeddedServices) -> Iterator[StandIns]:
+    redis_server = embedded.start_redis()  # its own: a test restarts it
+    backends = {f"n{i}": EchoBackend(f"n{i}").start() for i in range(3)}
+    with running_stand_ins(embedded, redis_server, backends, **PROXY_SETTINGS) as running:
+        yield running

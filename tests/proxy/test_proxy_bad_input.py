@@ -16,16 +16,7 @@ pytestmark = pytest.mark.integration
 def exchange(stand_ins: StandIns, raw: bytes, *, wait_s: float = 3.0) -> list[tuple[int, bytes]]:
     """Send raw bytes; read until the proxy closes or goes quiet; (status, body) of each
     response."""
-    port = int(stand_ins.proxy.url.rsplit(":", 1)[1])
-    with socket.create_connection(("127.0.0.1", port), timeout=wait_s) as sock:
-        sock.sendall(raw)
-        received = b""
-        try:
-            while chunk := sock.recv(65536):
-                received += chunk
-        except TimeoutError:
-            pass
-    return parse_responses(received)
+    return parse_responses(stand_ins.send_raw(raw, quiet_s=wait_s))
 
 
 def parse_responses(data: bytes) -> list[tuple[int, bytes]]:
@@ -131,7 +122,7 @@ def test_a_malformed_request_after_good_ones_is_refused_after_they_are_answered(
 
 
 def test_a_slow_client_gets_408_and_is_disconnected(stand_ins):
-    port = int(stand_ins.proxy.url.rsplit(":", 1)[1])
+    port = stand_ins.proxy_port
     started = time.monotonic()
     with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
         sock.sendall(b"GET /stores/customers/keys/a HTTP/1.1\r\nHost: x\r\n")
@@ -152,7 +143,7 @@ def test_a_slow_client_gets_408_and_is_disconnected(stand_ins):
 
 
 def test_truncated_requests_and_idle_connections_do_not_hurt(stand_ins):
-    port = int(stand_ins.proxy.url.rsplit(":", 1)[1])
+    port = stand_ins.proxy_port
     sockets = [socket.create_connection(("127.0.0.1", port)) for _ in range(20)]
     for sock in sockets[:10]:
         sock.sendall(b"GET /stores/customers/keys/a HT")

@@ -152,23 +152,7 @@ def parse_responses(data: bytes) -> list[Answer]:
 
 
 def exchange(stand_ins: StandIns, raw: bytes) -> bytes:
-    port = int(stand_ins.proxy.url.rsplit(":", 1)[1])
-    received = b""
-    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
-        sock.sendall(raw)
-        sock.settimeout(QUIET_S)
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            try:
-                chunk = sock.recv(65536)
-            except TimeoutError:
-                break
-            except ConnectionResetError:
-                break
-            if not chunk:
-                break
-            received += chunk
-    return received
+    return stand_ins.send_raw(raw, quiet_s=QUIET_S, limit_s=5)
 
 
 CORPUS: list[bytes] = []
@@ -237,7 +221,7 @@ def test_replaying_the_corpus_leaks_no_descriptors_or_memory(stand_ins):
 def test_a_huge_body_is_refused_without_being_read_into_memory(stand_ins):
     pid = stand_ins.proxy.process.pid
     rss = rss_kib(pid)
-    port = int(stand_ins.proxy.url.rsplit(":", 1)[1])
+    port = stand_ins.proxy_port
     before = stand_ins.received()
     with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
         sock.sendall(b"POST /orders HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000000\r\n\r\n")

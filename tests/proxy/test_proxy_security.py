@@ -10,24 +10,19 @@ from __future__ import annotations
 import json
 import socket
 import time
-import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import httpx
 import pytest
-import redis
 
-from common.contract import Keys, StoreInfo
-from kroute.embedded import EmbeddedServices, RedisHandle
-from kroute.proxies import ProxyHandle, start_proxy
-from kroute.static_cluster import StaticCluster
+from kroute.embedded import EmbeddedServices
+from kroute.proxies import start_proxy
 from partitioner import partition
+from tests.proxy.conftest import PARTITIONS, StandIns, running_stand_ins
 from tests.proxy.echo_backend import EchoBackend
 
 pytestmark = pytest.mark.integration
 
-PARTITIONS = 12
 REDIS_PASSWORD = "redis-pw-7f3a9c"  # must never appear in a log
 ADMIN_TOKEN = "admin-token-5e1b2d"
 ROGUE_HOST = "127.0.0.2"  # loopback, but outside the allowed 127.0.0.1/32
@@ -35,51 +30,28 @@ ADMIN_HOST = "127.0.0.3"
 AUTH = {"authorization": f"Bearer {ADMIN_TOKEN}"}
 
 
-@dataclass
-class Guarded:
-    services: EmbeddedServices
-    redis_server: RedisHandle
-    backends: dict[str, EchoBackend]
-    cluster: StaticCluster
-    proxy: ProxyHandle
-
-    def proxy_log(self) -> str:
-        return self.proxy.process.log_path.read_text(errors="replace")
-
-
 @pytest.fixture(scope="module")
-def guarded(embedded: EmbeddedServices) -> Iterator[Guarded]:
-    redis_server = embedded.start_redis(password=REDIS_PASSWORD)
-    client = redis.Redis.from_url(redis_server.url)
+def guarded(embedded: EmbeddedServices) -> Iterator[StandIns]:
     backends = {
         "n0": EchoBackend("n0").start(),
         "n1": EchoBackend("n1").start(),
         "rogue": EchoBackend("rogue", host=ROGUE_HOST).start(),
     }
-    keys = Keys(f"sec-{uuid.uuid4().hex[:8]}")
-    cluster = StaticCluster(keys, {name: b.url for name, b in backends.items()})
-    cluster.add_store(StoreInfo("customers", "customers", PARTITIONS, "string"))
-    cluster.publish(client)
-    proxy = start_proxy(
+    with running_stand_ins(
         embedded,
-        redis_server.url,
-        name=f"proxy-{keys.cluster}",
-        cluster=keys.cluster,
+        embedded.start_redis(password=REDIS_PASSWORD),
+        backends,
         admin_host=ADMIN_HOST,
         admin_token=ADMIN_TOKEN,
         allowed_networks="127.0.0.1/32",
         lag_report_stale_ms="600000",
         refresh_interval_ms="200",
-    )
-    try:
-        yield Guarded(embedded, redis_server, backends, cluster, proxy)
-    finally:
-        proxy.process.stop()
-        proxy.close()
-        for backend in backends.values():
-            backend.shutdown()
-        client.close()
-        redis_server.process.stop()
+    ) as running:
+        yield running
+
+
+def proxy_log(guarded: StandIns) -> str:
+    return guarded.proxy.process.log_path.read_text(errors="replace")
 
 
 def keys_per_partition() -> dict[int, str]:
@@ -111,7 +83,7 @@ def test_a_node_registered_outside_the_allowed_networks_gets_no_traffic(guarded)
     assert guarded.backends["rogue"].connections == 0
     warnings = [
         json.loads(line)
-        for line in guarded.proxy_log().splitlines()
+        for line in proxy_log(guarded).splitlines()
         if "ignoring a node outside KROUTE_ALLOWED_NETWORKS" in line
     ]
     assert [(w["node"], w["level"]) for w in warnings] == [("rogue", "warning")]  # once
@@ -121,7 +93,7 @@ def test_redis_with_a_password_works_and_the_password_is_never_logged(guarded):
     assert guarded.proxy.is_ready()
     status = guarded.proxy.admin("/cluster/status", headers=AUTH).json()
     assert status["generation"] == guarded.cluster.generation
-    assert REDIS_PASSWORD not in guarded.proxy_log()
+    assert REDIS_PASSWORD not in proxy_log(guarded)
 
 
 def test_a_wrong_redis_password_is_reported_without_the_password(guarded):
@@ -159,7 +131,7 @@ def test_the_admin_listener_has_its_own_address_and_wants_the_token(guarded):
         allowed = proxy.admin(path, headers=AUTH)
         assert allowed.status_code == 200, path
     assert proxy.admin(f"/cluster?token={ADMIN_TOKEN}").status_code == 200  # in a browser
-    assert ADMIN_TOKEN not in guarded.proxy_log()
+    assert ADMIN_TOKEN not in proxy_log(guarded)
 
 
 def test_the_data_port_does_not_serve_the_admin_routes(guarded):

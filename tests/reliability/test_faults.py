@@ -31,7 +31,7 @@ from tests.cluster_helpers import (
     stop_cluster,
 )
 from tests.reliability.traffic import Outcome, Readers, Writer, failures
-from tests.reliability.truth import assert_replicas_serve_the_topic, read_topic, wait_caught_up
+from tests.reliability.truth import assert_replicas_serve_the_topic, read_truth, wait_caught_up
 
 pytestmark = pytest.mark.integration
 
@@ -85,7 +85,7 @@ class Faults:
         self.writer = Writer(cluster.bootstrap, cluster.topic, KEYS, rate=10)
 
     def start_proxy(self) -> ProxyHandle:
-        handle = start_proxy(
+        return start_proxy(
             self.embedded,
             self.cluster.redis_server.url,
             name="proxy",
@@ -95,7 +95,6 @@ class Faults:
             probe_interval_ms="100",
             upstream_timeout_ms=str(UPSTREAM_TIMEOUT_MS),
         )
-        return handle
 
     def kill_9(self, name: str) -> None:
         """kill -9 a node and its Spark JVM (a VM that vanished)."""
@@ -314,7 +313,7 @@ def test_a_damaged_store_is_rebuilt_from_kafka_and_nothing_wrong_is_served(fault
     cluster = faults.cluster
     victim = next(n for n in NODE_NAMES if n != faults.leader() and active_partitions(faults, n))
     faults.writer.pause()
-    truth = read_topic(cluster.bootstrap, cluster.topic, cluster.ends())
+    truth = read_truth(cluster)
     faults.kill_9(victim)
     damage_store(faults, victim)
     readers = [Readers(proxy.url, KEYS) for proxy in faults.proxies]

@@ -1,9 +1,9 @@
 """What the nodes must serve, computed from the topic itself, and the check that they do.
 
 The ground truth is the topic read from offset 0 to the high watermarks with an independent
-consumer (confluent-kafka): the latest value per key, and a tombstone deletes. The check asks
-every live replica of every key's partition, so a replica that lost, kept or resurrected a
-key is caught even when the other replica is right.
+consumer (`tests/kafka_helpers.read_topic`): the latest value per key, and a tombstone
+deletes. The check asks every live replica of every key's partition, so a replica that lost,
+kept or resurrected a key is caught even when the other replica is right.
 """
 
 from __future__ import annotations
@@ -13,38 +13,21 @@ import time
 from typing import Any
 
 import httpx
-from confluent_kafka import Consumer, TopicPartition
 
 from partitioner import partition
 from tests.cluster_helpers import PARTITIONS, Cluster
+from tests.kafka_helpers import read_topic
 
 Truth = dict[str, Any]  # key -> value (None: deleted)
 
 
-def read_topic(bootstrap: str, topic: str, ends: dict[int, int], timeout_s: float = 60) -> Truth:
-    consumer = Consumer(
-        {"bootstrap.servers": bootstrap, "group.id": "truth", "enable.auto.commit": False}
-    )
+def read_truth(cluster: Cluster) -> Truth:
+    """The latest value of every key in the topic, up to its current high watermarks."""
     latest: Truth = {}
-    try:
-        consumer.assign([TopicPartition(topic, p, 0) for p in ends if ends[p] > 0])
-        remaining = {p for p, end in ends.items() if end > 0}
-        deadline = time.monotonic() + timeout_s
-        while remaining:
-            assert time.monotonic() < deadline, f"topic not read to its end: {remaining}"
-            message = consumer.poll(0.5)
-            if message is None:
-                continue
-            assert message.error() is None, message.error()
-            if message.offset() >= ends[message.partition()]:
-                remaining.discard(message.partition())
-                continue
-            raw = message.value()
-            latest[message.key().decode()] = None if raw is None else json.loads(raw)
-            if message.offset() + 1 >= ends[message.partition()]:
-                remaining.discard(message.partition())
-    finally:
-        consumer.close()
+    records = read_topic(cluster.bootstrap, cluster.topic, PARTITIONS)
+    for record in sorted(records, key=lambda r: r.offset):  # a key lives in one partition
+        assert record.key is not None
+        latest[record.key.decode()] = None if record.value is None else json.loads(record.value)
     return latest
 
 
@@ -63,7 +46,7 @@ def assert_replicas_serve_the_topic(cluster: Cluster, alive: set[str]) -> int:
     """Every live replica of every key answers exactly the topic's latest value (404 when
     deleted). Writers must be paused. Returns the number of keys checked."""
     wait_caught_up(cluster, alive)
-    truth = read_topic(cluster.bootstrap, cluster.topic, cluster.ends())
+    truth = read_truth(cluster)
     placements = cluster.assignment().stores["customers"]
     wrong: list[str] = []
     clients = {n: httpx.Client(base_url=cluster.nodes[n].url, timeout=10) for n in alive}
