@@ -6,8 +6,8 @@ Spark runs the pieces in different processes, which shapes this module:
   them from its store's checkpoint), end offsets are Fetch high watermarks (kafka_offsets), and
   each micro-batch is capped at `maxRecordsPerPartition` records per partition;
 - `read()` runs in Spark's Python workers, which Spark reuses across tasks: a module-level cache
-  keeps one Kafka consumer per partition alive between micro-batches, and records it fetched past
-  a batch's end wait in a buffer for the next batch instead of being fetched again.
+  keeps one Kafka consumer per partition alive between micro-batches (its connections), assigned
+  to the partition only while a batch is read.
 
 The DataFrame has the schema of Spark's own Kafka source (with includeHeaders), so a node can
 switch to `spark-sql-kafka-0-10` without changing anything downstream.
@@ -19,11 +19,13 @@ import asyncio
 import json
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
+
+from materializer.spark_worker import skip_unchanged_archive_rereads
 
 SOURCE_NAME = "kroute-kafka"
 SCHEMA = (
@@ -159,6 +161,7 @@ class KafkaStreamReader(DataSourceStreamReader):
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, KafkaRanges)
+        skip_unchanged_archive_rereads()  # from the next task of this (reused) worker on
         for kafka_range in partition.ranges:
             yield from read_range(
                 self.options, kafka_range.partition, kafka_range.start, kafka_range.end
@@ -214,16 +217,7 @@ def _probe(bootstrap_servers: str) -> _HighWatermarkProbe:
 # -- worker side: reading one range (runs in Spark's Python workers) -------------------------
 
 
-@dataclass
-class _Cursor:
-    """A consumer left at `next_offset`, with messages it already fetched beyond it."""
-
-    consumer: Any
-    next_offset: int
-    ahead: list[Any] = field(default_factory=list)
-
-
-_CURSORS: dict[tuple[str, str, int], _Cursor] = {}
+_CONSUMERS: dict[tuple[str, str, int], Any] = {}  # one per partition, kept between tasks
 
 
 class KafkaReadTimeout(RuntimeError):
@@ -237,14 +231,12 @@ class KafkaReadTimeout(RuntimeError):
         )
 
 
-def _cursor_at(options: SourceOptions, partition: int, start: int) -> _Cursor:
-    from confluent_kafka import Consumer, TopicPartition  # noqa: PLC0415 - worker process only
+def _consumer_for(options: SourceOptions, partition: int) -> Any:
+    from confluent_kafka import Consumer  # noqa: PLC0415 - worker process only
 
     key = (options.bootstrap_servers, options.topic, partition)
-    cursor = _CURSORS.get(key)
-    if cursor is not None and cursor.next_offset == start:
-        return cursor
-    if cursor is None:
+    consumer = _CONSUMERS.get(key)
+    if consumer is None:
         consumer = Consumer(
             {
                 "bootstrap.servers": options.bootstrap_servers,
@@ -253,29 +245,44 @@ def _cursor_at(options: SourceOptions, partition: int, start: int) -> _Cursor:
                 "enable.auto.offset.store": False,
                 "auto.offset.reset": "earliest",
                 "fetch.wait.max.ms": options.fetch_max_wait_ms,  # Tansu: waiting fetches don't wake
-                "queued.max.messages.kbytes": 8192,  # bound what idle cursors keep prefetched
+                "queued.max.messages.kbytes": 8192,  # bound what one read prefetches
                 "log_level": 3,
             }
         )
-        cursor = _Cursor(consumer, start)
-        _CURSORS[key] = cursor
-    # Another worker read the batches in between: move this consumer to where we start.
-    cursor.consumer.assign([TopicPartition(options.topic, partition, start)])
-    cursor.next_offset = start
-    cursor.ahead.clear()
-    return cursor
+        _CONSUMERS[key] = consumer
+    return consumer
 
 
 def read_range(
     options: SourceOptions, partition: int, start: int, end: int
 ) -> Iterator[pa.RecordBatch]:
-    cursor = _cursor_at(options, partition, start)
+    """Records [start, end) of one partition, in Arrow batches of at most _ARROW_CHUNK.
+
+    The partition is assigned for the read only. A consumer left assigned between batches keeps
+    fetching, every fetch_max_wait_ms, for nothing: with three nodes that was most of an idle
+    broker's CPU. Assigning again costs under a millisecond (measured; librdkafka's pause and
+    resume took ~700 ms to fetch again).
+    """
+    from confluent_kafka import TopicPartition  # noqa: PLC0415 - worker process only
+
+    key = (options.bootstrap_servers, options.topic, partition)
+    consumer = _consumer_for(options, partition)
+    consumer.assign([TopicPartition(options.topic, partition, start)])
+    try:
+        yield from _read_assigned(consumer, options, partition, start, end)
+    finally:
+        if _CONSUMERS.get(key) is not None and _CONSUMERS[key] is consumer:  # a timeout closes it
+            consumer.unassign()
+
+
+def _read_assigned(
+    consumer: Any, options: SourceOptions, partition: int, start: int, end: int
+) -> Iterator[pa.RecordBatch]:
     columns: dict[str, list[Any]] = {name: [] for name in ARROW_SCHEMA.names}
+    next_offset = start
     deadline = time.monotonic() + options.read_timeout_s
-    while cursor.next_offset < end:
-        messages, cursor.ahead = cursor.ahead, []
-        if not messages:
-            messages = cursor.consumer.consume(min(_ARROW_CHUNK, end - cursor.next_offset), 0.5)
+    while next_offset < end:
+        messages = consumer.consume(min(_ARROW_CHUNK, end - next_offset), 0.5)
         for message in messages:
             error = message.error()
             if error is not None:
@@ -283,37 +290,34 @@ def read_range(
                     continue  # librdkafka retries by itself; the deadline bounds the wait
                 raise RuntimeError(f"reading {options.topic}[{partition}]: {error}")
             offset = message.offset()
-            if offset < cursor.next_offset:
-                continue  # already returned (the broker may resend the start of a batch)
-            if offset >= end:
-                cursor.ahead.append(message)
-                continue
+            if not next_offset <= offset < end:
+                continue  # resent from before the start, or fetched past this batch's end
             _append(columns, message, options.topic, partition)
-            cursor.next_offset = offset + 1
+            next_offset = offset + 1
             deadline = time.monotonic() + options.read_timeout_s
         if len(columns["offset"]) >= _ARROW_CHUNK:
             yield _to_batch(columns)
             columns = {name: [] for name in ARROW_SCHEMA.names}
-        if cursor.next_offset < end and time.monotonic() > deadline:
-            _CURSORS.pop((options.bootstrap_servers, options.topic, partition), None)
-            cursor.consumer.close()
+        if next_offset < end and time.monotonic() > deadline:
+            _CONSUMERS.pop((options.bootstrap_servers, options.topic, partition), None)
+            consumer.close()
             raise KafkaReadTimeout(
                 options.topic,
                 partition,
                 KafkaRange(partition, start, end),
-                cursor.next_offset,
+                next_offset,
                 options.read_timeout_s,
             )
-        if not messages and _position(cursor, options.topic, partition) >= end:
-            cursor.next_offset = end  # the rest of the range holds no records (control batches)
+        if not messages and _position(consumer, options.topic, partition) >= end:
+            next_offset = end  # the rest of the range holds no records (control batches)
     if columns["offset"]:
         yield _to_batch(columns)
 
 
-def _position(cursor: _Cursor, topic: str, partition: int) -> int:
+def _position(consumer: Any, topic: str, partition: int) -> int:
     from confluent_kafka import TopicPartition  # noqa: PLC0415
 
-    [position] = cursor.consumer.position([TopicPartition(topic, partition)])
+    [position] = consumer.position([TopicPartition(topic, partition)])
     return int(position.offset) if position.offset >= 0 else -1
 
 

@@ -64,6 +64,14 @@ class NodeSettings(EnvSettings):
         default="local[*]",
         description="Spark master URL: local[*], or a cluster such as spark://host:7077.",
     )
+    spark_java_options: str = Field(
+        default="-XX:TieredStopAtLevel=1",
+        # Spark generates classes for every micro-batch and C2 recompiling them took half the
+        # JVM's CPU (measured with per-thread CPU times); C1 code plans batches and moves Arrow
+        # buffers about as well.
+        description="JVM options of the node's Spark driver (default: compile with C1 only, "
+        "half the JVM's CPU per micro-batch).",
+    )
     spark_packages: str | None = Field(
         default=None,
         description="Maven coordinates Spark loads (spark.jars.packages), e.g. "
@@ -99,6 +107,15 @@ class NodeSettings(EnvSettings):
         ge=1,
         le=5_000,
         description="Kafka fetch max wait; keep small (Tansu does not wake waiting fetches).",
+    )
+    trigger_interval_ms: int = Field(
+        default=500,
+        ge=0,
+        le=600_000,
+        # Each batch has a fixed Spark cost (~60-150 ms of CPU here): under a trickle of writes,
+        # back-to-back batches (0) kept half a core busy per node and slowed lookups.
+        description="Least time between the starts of two micro-batches; a longer batch starts "
+        "the next at once (0: always back to back, most CPU).",
     )
     transform: ImportPath | None = Field(
         default=None,

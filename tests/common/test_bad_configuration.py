@@ -54,6 +54,7 @@ FREE = {
     "workdir": "a directory created at start",
     "data_dir": "a directory created at start",
     "spark_packages": "Maven coordinates, resolved by Spark",
+    "spark_java_options": "JVM options, checked by the JVM when Spark starts it",
 }
 COMPONENTS = [ProxySettings, NodeSettings, RunSettings, DemoSettings]
 

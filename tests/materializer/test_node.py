@@ -9,6 +9,7 @@ import signal
 import time
 
 import pytest
+from confluent_kafka import Producer
 
 from kroute.embedded import free_port
 from kroute.nodes import start_node
@@ -154,4 +155,32 @@ def test_partitions_beyond_the_topic_stop_the_node_with_a_clear_error(embedded, 
         assert node.process.popen.wait(timeout=60) == 2
         assert "names partitions [2, 3] but the topic has 2" in node.process.log_path.read_text()
     finally:
+        node.close()
+
+
+def test_trigger_interval_spaces_micro_batches_under_a_trickle_of_writes(
+    embedded, broker, tmp_path
+):
+    bootstrap, topic, interval_s, trickle_s = broker.bootstrap_servers, "trickle", 1.0, 8.0
+    create_topics(bootstrap, {topic: PARTITIONS})
+    produce_customers(bootstrap, topic, 60, keys=60, seed=6)
+    spaced = {**NODE, "trigger_interval_ms": str(int(interval_s * 1000))}
+    node = start_node(embedded, bootstrap, topic, tmp_path / "data", **spaced)
+    try:
+        before = node.wait_caught_up(ends_of(bootstrap, topic))["ingest"]["batches"]
+        producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 0})
+        began = time.monotonic()
+        sent = 0
+        while time.monotonic() - began < trickle_s:  # ~20 writes a second
+            producer.produce(topic, key=f"customer-{sent % 60}".encode(), value=b'{"n": 1}')
+            producer.poll(0)
+            sent += 1
+            time.sleep(0.05)
+        assert producer.flush(30) == 0
+        after = node.wait_caught_up(ends_of(bootstrap, topic))["ingest"]["batches"]
+        elapsed = time.monotonic() - began
+        # Back to back (interval 0), a node runs several batches a second under a trickle.
+        assert 1 <= after - before <= elapsed / interval_s + 1
+    finally:
+        node.process.stop()
         node.close()
