@@ -38,13 +38,20 @@ def machine_notes() -> str:
 
 
 def git_revision() -> str:
+    """The commit measured, with "+changes" when tracked files differ from it."""
     try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True, text=True, check=True, cwd=BENCHMARKS, timeout=10,
-        ).stdout.strip()  # fmt: skip
+        head, changes = (
+            subprocess.run(
+                command, capture_output=True, text=True, check=True, cwd=BENCHMARKS, timeout=10
+            ).stdout.strip()
+            for command in (
+                ["git", "rev-parse", "--short", "HEAD"],
+                ["git", "status", "--porcelain", "--untracked-files=no"],
+            )
+        )
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+    return f"{head}+changes" if changes else head
 
 
 def write_json(name: str, data: dict[str, Any]) -> Path:

@@ -10,7 +10,10 @@ before KIP-535). Every claim runs on that cluster, in this order:
                   node directly (three wrk processes, each with its node's keys), (b) nginx
                   round robin over the nodes, which forward misrouted keys to the owner,
                   (c) kroute; requests/s, p50, p99, and the share that needed a node-to-node
-                  hop (the nodes count what they forward).
+                  hop (the nodes count what they forward). Twice: with everything sharing
+                  every core, then with the cluster (nodes, broker, redis) on half the cores
+                  and the front (wrk, nginx, the proxies) on the other half, as a deployment
+                  gives the routing tier machines of its own.
 5. freshness      a new key every 50 ms; time from produce() until the proxy answers 200.
 2. failures       steady load on both proxies at once; kill -9 of the node active for a third
                   of the partitions, then (after it is back) SIGSTOP of one for 10 s: failed
@@ -60,6 +63,7 @@ from confluent_kafka import Producer
 
 from benchmarks import wrk
 from benchmarks.loadgen import Outcome, Request, SteadyLoad
+from benchmarks.placement import can_isolate, pinned
 from benchmarks.proxy_bench import metric_value, nginx_proxy_conf, start_server
 from benchmarks.results_file import (
     BENCHMARKS,
@@ -178,6 +182,7 @@ class Bench:
     nodes: dict[str, NodeHandle] = field(default_factory=dict)
     proxy: ProxyHandle | None = None
     actives_only: ProxyHandle | None = None
+    service_pids: list[int] = field(default_factory=list)  # the broker's and redis-server's
 
     @property
     def kroute(self) -> ProxyHandle:
@@ -276,6 +281,7 @@ def start_bench(services: EmbeddedServices, workdir: Path) -> Bench:
         writer.write(customer_id(number))
     writer.flush()
     bench = Bench(services, workdir, broker.bootstrap_servers, redis_server.url, sampler, writer)
+    bench.service_pids = [broker.process.pid, redis_server.process.pid]
     say("starting three materializer nodes (Spark) ...")
     for name in NODE_NAMES:
         bench.start_node(name)
@@ -316,6 +322,8 @@ def forwarded_total(bench: Bench) -> int:
 
 
 def no_extra_hop(bench: Bench, seconds: int, rounds: int, connections: int) -> dict[str, Any]:
+    """Claim 1 twice: everything sharing every core, then (with two CPUs or more) the cluster
+    on one set of cores and the front (wrk, nginx, the proxies) on the other."""
     workdir = bench.workdir / "hop"
     workdir.mkdir(exist_ok=True)
     node_ports = [int(n.url.rsplit(":", 1)[1]) for n in bench.nodes.values()]
@@ -325,7 +333,7 @@ def no_extra_hop(bench: Bench, seconds: int, rounds: int, connections: int) -> d
     nginx = start_server(bench.services, "nginx", ["nginx", "-c", str(conf)], nginx_port)
     bench.sampler.watch("nginx", nginx.pid)
     owners = bench.actives()
-    results: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    runs: dict[str, dict[str, Callable[[], dict[str, Any]]]] = {}
     for distribution in ("zipf", "uniform"):
         keys = key_samples(distribution)
         all_paths = write_paths(workdir / f"{distribution}.paths", keys)
@@ -336,7 +344,7 @@ def no_extra_hop(bench: Bench, seconds: int, rounds: int, connections: int) -> d
             name: write_paths(workdir / f"{distribution}-{name}.paths", by_node[name])
             for name in bench.nodes
         }
-        systems: dict[str, Callable[[], dict[str, Any]]] = {
+        runs[distribution] = {
             "direct": functools.partial(direct_run, bench, node_paths, seconds, connections),
             "nginx": functools.partial(
                 single_run, f"http://127.0.0.1:{nginx_port}", all_paths, seconds, connections
@@ -345,12 +353,44 @@ def no_extra_hop(bench: Bench, seconds: int, rounds: int, connections: int) -> d
                 single_run, bench.kroute.url, all_paths, seconds, connections
             ),
         }
+    summary = {"shared_cores": hop_rounds(bench, "shared", runs, rounds)}
+    if can_isolate(2):
+        cluster_cpus, front_cpus = split_cpus()
+        cluster = bench.service_pids + [node.process.pid for node in bench.nodes.values()]
+        assert bench.actives_only is not None
+        front = [nginx.pid, bench.kroute.process.pid, bench.actives_only.process.pid]
+        say(f"  hop: cluster on CPUs {sorted(cluster_cpus)}, front on {sorted(front_cpus)}")
+        with pinned({cluster_cpus: cluster, front_cpus: front}, here=set(front_cpus)):
+            summary["isolated_cores"] = hop_rounds(bench, "isolated", runs, rounds)
+        summary["isolated_cores"]["cpus"] = {
+            "cluster": sorted(cluster_cpus),
+            "front": sorted(front_cpus),
+        }
+    nginx.stop()
+    return summary
+
+
+def split_cpus() -> tuple[frozenset[int], frozenset[int]]:
+    """The usable CPUs in two halves: (the cluster's, the front's)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    half = len(cpus) // 2
+    return frozenset(cpus[half:]), frozenset(cpus[:half])
+
+
+def hop_rounds(
+    bench: Bench,
+    layout: str,
+    runs: dict[str, dict[str, Callable[[], dict[str, Any]]]],
+    rounds: int,
+) -> dict[str, Any]:
+    results: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for distribution, systems in runs.items():
         per_system = results.setdefault(distribution, {})
         for round_number in range(rounds):
             for system, run in systems.items():
-                say(f"  hop: {distribution} round {round_number + 1}: {system} ...")
+                say(f"  hop ({layout} cores): {distribution} round {round_number + 1}: {system}")
                 before, hot_before = forwarded_total(bench), hot_path_served(bench)
-                with bench.sampler.phase(f"hop/{distribution}/{system}/{round_number}"):
+                with bench.sampler.phase(f"hop/{layout}/{distribution}/{system}/{round_number}"):
                     figures = run()
                 figures["hops"] = forwarded_total(bench) - before
                 if system == "kroute":
@@ -358,8 +398,7 @@ def no_extra_hop(bench: Bench, seconds: int, rounds: int, connections: int) -> d
                     figures["c_path_share"] = round(hot / max(figures["requests"], 1), 3)
                 figures["hop_share"] = round(figures["hops"] / max(figures["requests"], 1), 3)
                 per_system.setdefault(system, []).append(figures)
-    nginx.stop()
-    return summarize_hops(results, bench.sampler)
+    return summarize_hops(layout, results, bench.sampler)
 
 
 def hot_path_served(bench: Bench) -> float:
@@ -393,14 +432,14 @@ def direct_run(
 
 
 def summarize_hops(
-    results: dict[str, dict[str, list[dict[str, Any]]]], sampler: ProcessSampler
+    layout: str, results: dict[str, dict[str, list[dict[str, Any]]]], sampler: ProcessSampler
 ) -> dict[str, Any]:
     cpu = sampler.summary()
     summary: dict[str, Any] = {}
     for distribution, per_system in results.items():
         rows = {}
         for system, runs in per_system.items():
-            phases = [cpu[f"hop/{distribution}/{system}/{i}"] for i in range(len(runs))]
+            phases = [cpu[f"hop/{layout}/{distribution}/{system}/{i}"] for i in range(len(runs))]
             rows[system] = {
                 "rps": round(statistics.median(r["rps"] for r in runs)),
                 "p50_ms": statistics.median(r["p50_ms"] for r in runs),
@@ -791,15 +830,17 @@ def plot(figures: dict[str, Any]) -> list[str]:
     names = []
 
     hop = figures["1_no_extra_hop"]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    layouts = [layout for layout in HOP_LAYOUTS if layout in hop]
+    fig, grid = plt.subplots(len(layouts), 2, figsize=(10, 4 * len(layouts)), squeeze=False)
     systems = ("direct", "nginx", "kroute")
-    for ax, metric, title in ((axes[0], "rps", "requests/s"), (axes[1], "p99_ms", "p99 (ms)")):
-        for i, distribution in enumerate(("zipf", "uniform")):
-            values = [hop[distribution][s][metric] for s in systems]
-            ax.bar([x + i * 0.38 for x in range(3)], values, width=0.38, label=distribution)
-        ax.set_xticks([x + 0.19 for x in range(3)], systems)
-        ax.set_title(title)
-        ax.legend()
+    for axes, layout in zip(grid, layouts, strict=True):
+        for ax, metric, title in ((axes[0], "rps", "requests/s"), (axes[1], "p99_ms", "p99 (ms)")):
+            for i, distribution in enumerate(("zipf", "uniform")):
+                values = [hop[layout][distribution][s][metric] for s in systems]
+                ax.bar([x + i * 0.38 for x in range(3)], values, width=0.38, label=distribution)
+            ax.set_xticks([x + 0.19 for x in range(3)], systems)
+            ax.set_title(f"{title}, {layout.replace('_', ' ')}")
+            ax.legend()
     fig.suptitle("1. No extra hop: three nodes, direct vs nginx round robin vs kroute")
     fig.tight_layout()
     fig.savefig(PLOTS / "system_hop.png", dpi=90)
@@ -848,8 +889,9 @@ def render(f: dict[str, Any], command: str, plots: list[str]) -> str:
         "one redis-server, three materializer nodes (Spark local[1] each) with 12 partitions and one",
         f"standby each, a {GRACE_S} s grace period, and two proxies: kroute as configured by default",
         "and one with `KROUTE_STANDBY_READS=false` (actives only, the behaviour before KIP-535).",
-        "Everything shares this machine's 2 cores, wrk and the load generator included. Figures as",
-        "JSON: [results/system.json](results/system.json).",
+        "Everything shares this machine's cores, wrk and the load generator included (claim 1 is",
+        "also run with the cluster and the front on cores of their own). Figures as JSON:",
+        "[results/system.json](results/system.json).",
         "",
         "### 1. No extra hop",
         "",
@@ -858,37 +900,9 @@ def render(f: dict[str, Any], command: str, plots: list[str]) -> str:
         "processes, each sending its node the keys it is active for (the floor). `nginx`: round "
         "robin over the nodes, which forward keys they do not own to the owner (one hop, counted "
         "by the nodes). `kroute`: the proxy.",
-        "",
-        "| keys | system | requests/s | p50 ms | p99 ms | needed a hop | non-2xx | CPU cores: nodes / proxy |",
-        "|---|---|---:|---:|---:|---:|---:|---|",
+        *render_hop(hop),
     ]
-    for distribution in ("zipf", "uniform"):
-        for system in ("direct", "nginx", "kroute"):
-            row = hop[distribution][system]
-            cores = row["cpu_cores"]
-            node_cores = sum(v for k, v in cores.items() if k.startswith("node-"))
-            front = cores.get("proxy" if system == "kroute" else "nginx", 0.0)
-            front_text = "-" if system == "direct" else f"{front:.2f}"
-            lines.append(
-                f"| {distribution} | {system} | {row['rps']:,} | {row['p50_ms']} | "
-                f"{row['p99_ms']} | {row['hop_share']:.0%} | {row['non_2xx']} | "
-                f"{node_cores:.2f} / {front_text} |"
-            )
-    lines.append(
-        "\nShare of kroute's requests served by its C path: "
-        + ", ".join(f"{d} {hop[d]['kroute']['c_path_share']:.0%}" for d in ("zipf", "uniform"))
-        + " (the rest took the Python path)."
-    )
-    for distribution in ("zipf", "uniform"):
-        r = hop[distribution]["ratios"]
-        lines.append(
-            f"\n{distribution}: kroute/nginx throughput **{r['kroute_vs_nginx_rps']}x**, p99 "
-            f"**{r['kroute_vs_nginx_p99']}x**; kroute/direct throughput "
-            f"**{r['kroute_vs_direct_rps']}x** (goal >= 1.5x, p99 below nginx, within 25% of "
-            f"direct: {'met' if hop[distribution]['goal_met'] else 'not met'})."
-        )
     lines += [
-        "",
         "![no extra hop](results/system_hop.png)",
         "",
         "### 2. Reads survive failures",
@@ -980,6 +994,58 @@ def render(f: dict[str, Any], command: str, plots: list[str]) -> str:
     if "soak" in f:
         lines += render_soak(f["soak"])
     return "\n".join(lines)
+
+
+HOP_LAYOUTS = {
+    "shared_cores": "Everything on every core (the proxy's CPU comes out of the nodes' share)",
+    "isolated_cores": "The cluster (nodes, broker, redis-server) on CPU {cluster}, the front "
+    "(wrk, nginx, the proxies) on CPU {front}: each tier on cores of its own, as in a deployment",
+}
+
+
+def render_hop(hop: dict[str, Any]) -> list[str]:
+    lines: list[str] = []
+    for layout, title in HOP_LAYOUTS.items():
+        if layout not in hop:
+            continue
+        rows = hop[layout]
+        cpus = {tier: ", ".join(map(str, ids)) for tier, ids in rows.get("cpus", {}).items()}
+        lines += [
+            "",
+            f"**{title.format(cluster=cpus.get('cluster'), front=cpus.get('front'))}.**",
+            "",
+            "| keys | system | requests/s | p50 ms | p99 ms | needed a hop | non-2xx | CPU cores: nodes / front |",
+            "|---|---|---:|---:|---:|---:|---:|---|",
+        ]  # fmt: skip
+        for distribution in ("zipf", "uniform"):
+            for system in ("direct", "nginx", "kroute"):
+                lines.append(hop_row(distribution, system, rows[distribution][system]))
+        lines.append(
+            "\nShare of kroute's requests served by its C path: "
+            + ", ".join(f"{d} {rows[d]['kroute']['c_path_share']:.0%}" for d in ("zipf", "uniform"))
+            + " (the rest took the Python path)."
+        )
+        for distribution in ("zipf", "uniform"):
+            r = rows[distribution]["ratios"]
+            lines.append(
+                f"\n{distribution}: kroute/nginx throughput **{r['kroute_vs_nginx_rps']}x**, p99 "
+                f"**{r['kroute_vs_nginx_p99']}x**; kroute/direct throughput "
+                f"**{r['kroute_vs_direct_rps']}x** (goal >= 1.5x, p99 below nginx, within 25% of "
+                f"direct: {'met' if rows[distribution]['goal_met'] else 'not met'})."
+            )
+    return [*lines, ""]
+
+
+def hop_row(distribution: str, system: str, row: dict[str, Any]) -> str:
+    cores = row["cpu_cores"]
+    node_cores = sum(v for k, v in cores.items() if k.startswith("node-"))
+    front = cores.get("proxy" if system == "kroute" else "nginx", 0.0)
+    front_text = "-" if system == "direct" else f"{front:.2f}"
+    return (
+        f"| {distribution} | {system} | {row['rps']:,} | {row['p50_ms']:.2f} | "
+        f"{row['p99_ms']:.1f} | "
+        f"{row['hop_share']:.0%} | {row['non_2xx']} | {node_cores:.2f} / {front_text} |"
+    )
 
 
 RESOURCE_COMPONENTS = (
