@@ -207,7 +207,7 @@ def render(f: dict[str, Any]) -> str:
             f"| through the proxy | {f['through_proxy_rps']:,.0f} | {f['through_proxy_cpu_us']} |",
             "",
             f"The headers cost the node {f['headers_cost_us']} µs per lookup; asked through the "
-            f"proxy it spends {f['proxied_extra_us']} µs more per lookup than asked plainly. The "
+            f"proxy it spends {f['proxied_extra_us']:+} µs per lookup against plain requests. The "
             f"proxy itself spent {f['proxy_cpu_us_per_request']} µs per request: "
             f"{f['proxy_user_us_per_request']} µs in its own code and "
             f"{f['proxy_kernel_us_per_request']} µs in the kernel (loopback TCP: a receive and a "
