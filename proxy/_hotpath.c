@@ -742,6 +742,7 @@ typedef struct {
     int closed;
     int busy;
     double deadline;
+    double idle_since; /* monotonic seconds it last went idle; 0: never (a fresh connection) */
     PyObject *idle; /* the pool's idle list for this connection's node */
     /* One request the C path forwarded, while it waits for the answer: */
     ClientBase *client;
@@ -1214,6 +1215,7 @@ static int answer_fast(UpstreamBase *self, const char *data, Py_ssize_t length) 
                    PyList_GET_SIZE(self->idle) < hub->idle_per_origin;
     int failed = 0;
     if (reusable) {
+        self->idle_since = monotonic_s();
         failed = PyList_Append(self->idle, (PyObject *)self) < 0;
     } else {
         PyObject *closed = PyObject_CallMethodNoArgs((PyObject *)self, str_close);
@@ -1310,6 +1312,7 @@ static PyMemberDef UpstreamBase_members[] = {
     {"closed", T_INT, offsetof(UpstreamBase, closed), 0, NULL},
     {"busy", T_INT, offsetof(UpstreamBase, busy), 0, NULL},
     {"deadline", T_DOUBLE, offsetof(UpstreamBase, deadline), 0, NULL},
+    {"idle_since", T_DOUBLE, offsetof(UpstreamBase, idle_since), 0, NULL},
     {"fast_client", T_OBJECT, offsetof(UpstreamBase, client), READONLY, NULL},
     {"fast_cached", T_OBJECT, offsetof(UpstreamBase, cached), READONLY, NULL},
     {"fast_shift", T_INT, offsetof(UpstreamBase, shift), READONLY, NULL},

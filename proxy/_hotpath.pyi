@@ -79,6 +79,7 @@ class UpstreamBase:
     closed: int
     busy: int
     deadline: float
+    idle_since: float
     fast_client: Any
     fast_cached: Any
     fast_shift: int

@@ -10,6 +10,7 @@ ProxyError(Exception)
 └── UpstreamFailure      a node could not give an answer (retriable: try the next candidate)
     ├── UpstreamRefused  connect failed (refused, unreachable, connect timeout)
     ├── UpstreamReset    the connection closed or reset before a whole response arrived
+    │   └── UpstreamClosedKept  a kept-alive one, before any byte of the answer
     ├── UpstreamTimeout  no whole response within the upstream timeout
     └── UpstreamProtocol the node's response could not be parsed
 
@@ -76,6 +77,14 @@ class UpstreamRefused(UpstreamFailure):
 
 class UpstreamReset(UpstreamFailure):
     kind = "connection_reset"
+
+
+class UpstreamClosedKept(UpstreamReset):
+    """A kept-alive connection closed before any byte of the answer: most likely the node's
+    keep-alive timeout closing it just as the request was sent (the request was not served),
+    not a node failing. An idempotent request is resent once on a new connection."""
+
+    kind = "kept_connection_closed"
 
 
 class UpstreamTimeout(UpstreamFailure):

@@ -25,7 +25,7 @@ import structlog
 from common.clock import now_ms
 from proxy._hotpath import Cached, Candidate
 from proxy.choice import LagBudget, Rejection, Replica
-from proxy.errors import UpstreamFailure
+from proxy.errors import UpstreamClosedKept, UpstreamFailure
 from proxy.health import Ejections
 from proxy.http import ClientRequest, json_response, request_head, response_bytes
 from proxy.metrics import ProxyMetrics
@@ -83,6 +83,7 @@ class Exchange:
         "_ctx",
         "_head",
         "_request",
+        "_resent",
         "_respond",
         "_tried",
         "budget",
@@ -118,6 +119,7 @@ class Exchange:
         self._attempt = 0
         self._tried: list[dict[str, str]] = []
         self._head = b""
+        self._resent = False  # once per exchange, after a kept connection closed unanswered
 
     @classmethod
     def adopt(cls, ctx: ExchangeContext, connection: UpstreamConnection) -> Done:
@@ -178,9 +180,11 @@ class Exchange:
         if candidate.choice_tally is not None:
             candidate.choice_tally.value += 1
         candidate.node_tally.value += 1
-        target = candidate.target
+        self._transmit(candidate.target, fresh=False)
+
+    def _transmit(self, target: Target, *, fresh: bool) -> None:
         message = self._head + target.host_line + b"\r\n" + self._request.body
-        self._ctx.pool.send(target.origin, message, self._on_done)
+        self._ctx.pool.send(target.origin, message, self._on_done, fresh=fresh)
 
     def _on_done(self, response: UpstreamResponse | None, failure: UpstreamFailure | None) -> None:
         target = self.targets[self._attempt].target
@@ -197,6 +201,19 @@ class Exchange:
 
     def _failed(self, target: Target, failure: UpstreamFailure) -> None:
         ctx = self._ctx
+        if isinstance(failure, UpstreamClosedKept) and self.idempotent and not self._resent:
+            # Not the node failing: its keep-alive timeout closed the connection as the
+            # request went out (RFC 9112 9.3.1 lets an idempotent request be resent).
+            self._resent = True
+            ctx.metrics.resent_after_kept_close += 1
+            log.info(
+                "resent on a new connection",
+                request_id=self._request.request_id.decode(),
+                node=target.node_id,
+                reason=str(failure),
+            )
+            self._transmit(target, fresh=True)
+            return
         ctx.metrics.failed(target.node_id, failure.kind)
         ctx.ejections.eject(target.node_id, target.url, f"{failure.kind}: {failure}")
         ctx.pool.drop_origin(target.origin)

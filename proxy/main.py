@@ -83,6 +83,7 @@ class Proxy:
             response_timeout_s=settings.upstream_timeout_ms / 1000,
             idle_per_origin=settings.upstream_idle_per_node,
             max_response_bytes=settings.max_response_bytes,
+            idle_timeout_s=settings.upstream_idle_timeout_ms / 1000,
         )
         self.ejections = Ejections(
             eject_ms=settings.eject_ms,

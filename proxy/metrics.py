@@ -37,6 +37,7 @@ class ProxyMetrics:
     node_requests: dict[str, Tally] = field(default_factory=dict)
     node_failures: dict[tuple[str, str], int] = field(default_factory=dict)  # (node, kind)
     failovers: int = 0
+    resent_after_kept_close: int = 0
     retry_budget_exhausted: int = 0
     no_replica: dict[str, int] = field(default_factory=dict)  # store
     misdirected: dict[str, int] = field(default_factory=dict)  # node
@@ -148,6 +149,12 @@ class MetricsCollector(Collector):
         )
         yield CounterMetricFamily(
             "kroute_proxy_failovers", "Attempts retried on the next candidate", value=m.failovers
+        )
+        yield CounterMetricFamily(
+            "kroute_proxy_resent_after_kept_close",
+            "Requests resent on a new connection to the same node after it closed a kept-alive "
+            "connection before answering (keep-alive timeout race; the node was not ejected)",
+            value=m.resent_after_kept_close,
         )
         yield CounterMetricFamily(
             "kroute_proxy_retry_budget_exhausted",

@@ -198,6 +198,14 @@ class ProxySettings(EnvSettings):
     upstream_idle_per_node: int = Field(
         default=64, ge=1, le=10_000, description="Idle keep-alive connections kept per node."
     )
+    upstream_idle_timeout_ms: int = Field(
+        default=4000,
+        ge=100,
+        le=3_600_000,
+        description="An idle connection to a node is closed after this; keep it below the "
+        "nodes' keep-alive timeout (uvicorn's: 5 s) so a node never closes one as a request "
+        "is sent on it.",
+    )
     allowed_networks: str | None = Field(
         default=None,
         description="Comma-separated CIDRs nodes must be in (unset: any registered node); a "

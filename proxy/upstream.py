@@ -8,8 +8,11 @@ So this module speaks HTTP/1.1 to nodes itself, callback style (no task or futur
 
 One request at a time per connection (no upstream pipelining); a connection goes back to the
 idle list only when its response was complete and both sides allow keep-alive. A kept
-connection the node closed meanwhile fails with UpstreamReset, which the caller may retry.
-Response deadlines are kept by one sweeper per pool, not a timer per request.
+connection the node closes before any byte of the answer fails with UpstreamClosedKept (the
+node's keep-alive timeout racing the request; the caller resends on a new connection), and the
+pool closes connections idle for `idle_timeout_s` itself, before a node's keep-alive timeout
+(uvicorn's is 5 s) makes that race likely. Response deadlines and idle limits are kept by one
+sweeper per pool, not a timer per request.
 
 `UpstreamConnection` extends the C half from `proxy._hotpath`: for requests the C path
 forwarded, it answers the client itself when the response is whole and simple, and otherwise
@@ -28,6 +31,7 @@ import httptools
 
 from proxy._hotpath import Hub, UpstreamBase
 from proxy.errors import (
+    UpstreamClosedKept,
     UpstreamFailure,
     UpstreamProtocol,
     UpstreamRefused,
@@ -101,8 +105,13 @@ class UpstreamConnection(UpstreamBase, asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._pool.forget(self)
-        if self.waiting:
-            self._fail(UpstreamReset(f"connection closed by the node ({exc or 'EOF'})"))
+        if not self.waiting:
+            return
+        reason = f"connection closed by the node ({exc or 'EOF'})"
+        if self.idle_since and self._in_head and not self._raw_head:
+            self._fail(UpstreamClosedKept(f"kept-alive {reason} before answering"))
+        else:
+            self._fail(UpstreamReset(reason))
 
     # -- httptools callbacks ----------------------------------------------------------------
 
@@ -188,12 +197,14 @@ class UpstreamPool:
         response_timeout_s: float,
         idle_per_origin: int,
         max_response_bytes: int,
+        idle_timeout_s: float = 4.0,
     ) -> None:
         self.loop = asyncio.get_running_loop()
         self.hub = hub
         self.connect_timeout_s = connect_timeout_s
         self.response_timeout_s = response_timeout_s
         self.idle_per_origin = idle_per_origin
+        self.idle_timeout_s = idle_timeout_s
         self.max_response_bytes = max_response_bytes
         # Lists, never replaced: the C path pops from and appends to them too.
         self._idle: dict[Origin, list[UpstreamConnection]] = {}
@@ -210,15 +221,23 @@ class UpstreamPool:
         self._sweeper = self.loop.create_task(self._sweep())
 
     async def _sweep(self) -> None:
-        tick = min(max(self.response_timeout_s / 8, 0.005), 0.25)
+        tick = min(max(min(self.response_timeout_s, self.idle_timeout_s) / 8, 0.005), 0.25)
         while True:
             await asyncio.sleep(tick)
             now = time.monotonic()
             for connection in [c for c in self._open if c.busy and c.deadline < now]:
                 connection.expire()
+            self._close_long_idle(now - self.idle_timeout_s)
 
-    def send(self, origin: Origin, request: bytes, on_done: Done) -> None:
-        idle = self._idle.get(origin)
+    def _close_long_idle(self, idle_before: float) -> None:
+        for idle in self._idle.values():
+            # Oldest first: the C path and release() append, and sends pop from the end.
+            while idle and idle[0].idle_since < idle_before:
+                idle.pop(0)._close()
+
+    def send(self, origin: Origin, request: bytes, on_done: Done, *, fresh: bool = False) -> None:
+        """Over an idle connection to origin, or a new one (always, with `fresh`)."""
+        idle = None if fresh else self._idle.get(origin)
         while idle:
             connection = idle.pop()
             if not connection.closed and not connection.transport.is_closing():
@@ -249,6 +268,7 @@ class UpstreamPool:
         if len(idle) >= self.idle_per_origin:
             connection._close()
             return
+        connection.idle_since = time.monotonic()
         idle.append(connection)
 
     def forget(self, connection: UpstreamConnection) -> None:

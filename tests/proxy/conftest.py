@@ -82,6 +82,7 @@ PROXY_SETTINGS = {
     "probe_interval_ms": "50",
     "request_timeout_ms": "1500",
     "upstream_timeout_ms": "1000",
+    "upstream_idle_timeout_ms": "1000",
     "connect_timeout_ms": "300",
     "refresh_interval_ms": "200",
     "max_header_bytes": "4096",

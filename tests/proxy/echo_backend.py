@@ -3,8 +3,10 @@
 It answers every request with JSON naming itself and echoing what it received (method, target,
 headers, body, and the raw bytes), so a test can see exactly what the proxy forwarded. `mode`
 makes it misbehave: "421" answers misdirected, "hang" never answers, "close" closes without
-answering. A request may choose the answer's status (`x-test-status`) and header lines
-(`x-test-head`, hex of the raw lines), so tests can vary what the proxy must pass on.
+answering, "close-kept" answers a connection's first request and closes it on the next one
+unanswered (a keep-alive timeout firing as a request arrives). A request may choose the
+answer's status (`x-test-status`) and header lines (`x-test-head`, hex of the raw lines), so
+tests can vary what the proxy must pass on.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class _EchoProtocol(asyncio.Protocol):
         self.url = b""
         self.body = b""
         self.raw = b""
+        self.answered = 0  # requests received on this connection
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -71,7 +74,8 @@ class _EchoProtocol(asyncio.Protocol):
         self.headers, self.url, self.body, self.raw = [], b"", b"", b""
         if backend.mode == "hang":
             return
-        if backend.mode == "close":
+        self.answered += 1
+        if backend.mode == "close" or (backend.mode == "close-kept" and self.answered > 1):
             self.transport.close()
             return
         status = 421 if backend.mode == "421" else int(chosen.get("x-test-status", backend.status))

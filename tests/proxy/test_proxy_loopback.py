@@ -280,6 +280,54 @@ def test_a_hung_node_times_out_and_the_standby_answers(stand_ins):
     time.sleep(1.0)  # let the probe bring it back for the tests after this one
 
 
+@pytest.mark.parametrize(
+    "headers",
+    [{}, {"x-kroute-max-lag-ms": "600000", "x-request-id": "kept-close"}],
+    ids=["c-path", "python-path"],
+)
+def test_a_kept_connection_the_node_closes_unanswered_is_resent_not_failed_over(stand_ins, headers):
+    """A node's keep-alive timeout may close a pooled connection just as a request goes out
+    on it: that is not the node failing, so the same node answers over a new connection."""
+    key = "kept-close-key"
+    _, placed = owner(stand_ins, "customers", key)
+    node = placed.active
+    assert node is not None
+    failures_before = stand_ins.proxy.status()["nodes"][node]["failures"]
+    stand_ins.backends[node].mode = "close-kept"
+    try:
+        answers = [
+            stand_ins.proxy.get(f"/stores/customers/keys/{key}", headers=headers)
+            for _ in range(3)  # the first may open a connection; the rest reuse kept ones
+        ]
+    finally:
+        stand_ins.backends[node].mode = "ok"
+    assert [a.status_code for a in answers] == [200, 200, 200]
+    assert [a.headers["x-backend"] for a in answers] == [node] * 3
+    assert all("x-kroute-attempts" not in a.headers for a in answers)
+    status = stand_ins.proxy.status()["nodes"][node]
+    assert status["failures"] == failures_before
+    assert status["ejected_since_ms"] is None
+    metrics = stand_ins.proxy.admin("/metrics").text
+    resent = [
+        line for line in metrics.splitlines()
+        if line.startswith("kroute_proxy_resent_after_kept_close_total ")
+    ]  # fmt: skip
+    assert resent
+    assert float(resent[0].split()[1]) >= 2
+
+
+def test_idle_connections_to_nodes_are_closed_before_the_nodes_close_them(stand_ins):
+    key = "idle-close-key"
+    _, placed = owner(stand_ins, "customers", key)
+    backend = stand_ins.backends[placed.active]
+    assert stand_ins.proxy.get(f"/stores/customers/keys/{key}").status_code == 200
+    assert backend.transports, "the proxy keeps the connection it used"
+    deadline = time.monotonic() + 3.0  # upstream_idle_timeout_ms is 1000 here
+    while backend.transports and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not backend.transports
+
+
 def test_redis_stopped_and_restarted_under_load(stand_ins):
     keys = [f"redis-{i}" for i in range(100)]
     load = Load(stand_ins.proxy.url, keys, threads=4)
