@@ -5,7 +5,11 @@ nodes the proxy has ejected after failures and the current time, `choose_replica
 candidates in the order to try, and for every replica it will not try, why.
 
 Order: the active when it qualifies, then qualifying standbys by least offset lag, least time
-lag, node id; but replicas that are not known to be in sync come after all that are. A replica
+lag, node id; but replicas that are not known to be in sync come after all that are, and
+replicas the proxy ejected after failed requests come after everything else: alive by their
+heartbeat and inside the budget, one may have failed over something passing (a connection
+closed at the wrong moment), and trying it beats answering 503 while it is ejected (Envoy's
+panic routing, and what the unkeyed round robin already does). A replica
 is in sync when its fresh report shows lag 0 or a moment it was caught up; one that is
 restoring (behind and never caught up since its process started, e.g. rebuilding a lost store)
 or has no fresh report could answer with a store that is hours old, so even an unlimited budget
@@ -100,13 +104,13 @@ def choose_replicas(
     standby_reads: bool = True,
 ) -> Choice:
     eligible: list[tuple[tuple[int, int, int, int, str], Replica]] = []
+    last_resort: list[tuple[tuple[int, int, int, int, str], Replica]] = []
     rejected: list[Rejection] = []
     for replica in replicas:
         reason = _why_not(
             replica,
             budget,
             now_ms,
-            ejected=ejected,
             unknown_lag=unknown_lag,
             stale_after_ms=stale_after_ms,
             standby_reads=standby_reads,
@@ -124,12 +128,14 @@ def choose_replicas(
             2**62 if time_lag is None else time_lag,
             replica.node_id,
         )
-        eligible.append((order, replica))
+        (last_resort if replica.node_id in ejected else eligible).append((order, replica))
     eligible.sort(key=lambda entry: entry[0])
     candidates = [replica for _, replica in eligible]
     if spread and len(candidates) > 1:
         shift = counter % len(candidates)
         candidates = candidates[shift:] + candidates[:shift]
+    last_resort.sort(key=lambda entry: entry[0])
+    candidates += [replica for _, replica in last_resort]
     return Choice(tuple(candidates), tuple(rejected))
 
 
@@ -147,12 +153,11 @@ def _why_not(
     budget: LagBudget,
     now_ms: int,
     *,
-    ejected: frozenset[str],
     unknown_lag: UnknownLagPolicy,
     stale_after_ms: int,
     standby_reads: bool = True,
 ) -> str | None:
-    unavailable = _why_unavailable(replica, ejected, standby_reads)
+    unavailable = _why_unavailable(replica, standby_reads)
     if unavailable is not None or budget.unlimited:
         return unavailable
     fresh = _fresh(replica, now_ms, stale_after_ms)
@@ -180,14 +185,12 @@ def _why_not(
     return None
 
 
-def _why_unavailable(replica: Replica, ejected: frozenset[str], standby_reads: bool) -> str | None:
+def _why_unavailable(replica: Replica, standby_reads: bool) -> str | None:
     """Why the replica may not answer at all, whatever the budget."""
     if not replica.alive:
         return "dead"
     if not standby_reads and replica.role == "standby":
         return "standby reads are off"
-    if replica.node_id in ejected:
-        return "ejected after failed requests"
     return None
 
 

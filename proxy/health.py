@@ -1,8 +1,9 @@
 """Ejection of nodes that failed a request, and the probes that bring them back.
 
-A node whose connection was refused, reset or timed out is ejected: not chosen for at least
-`eject_ms`, and after that only once its heartbeat in Redis is alive *and* an HTTP probe of
-`/health/live` gets any answer below 500. The ejected set is an immutable frozenset swapped on
+A node whose connection was refused, reset or timed out is ejected: chosen only when no other
+replica qualifies (a last resort, see proxy.choice) for at least `eject_ms`, and after that
+until its heartbeat in Redis is alive *and* an HTTP probe of `/health/live` gets any answer
+below 500. The ejected set is an immutable frozenset swapped on
 change, so the replica choice (pure) takes it as a plain value.
 """
 

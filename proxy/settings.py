@@ -158,8 +158,9 @@ class ProxySettings(EnvSettings):
         default=1000,
         ge=0,
         le=600_000,
-        description="A node that failed is not used for at least this long, then until a probe "
-        "of /health/live succeeds and its heartbeat is alive.",
+        description="A node that failed is tried only after every other qualifying replica for "
+        "at least this long, then until a probe of /health/live succeeds and its heartbeat is "
+        "alive.",
     )
     probe_interval_ms: int = Field(
         default=250, ge=10, le=60_000, description="How often ejected nodes are probed."

@@ -45,11 +45,12 @@ def fresh(replica: Replica) -> bool:
 
 @settings(max_examples=1000)
 @given(replica_sets(), budgets, ejections)
-def test_never_a_dead_ejected_or_over_budget_replica(replicas, budget, ejected):
+def test_never_a_dead_or_over_budget_replica_and_ejected_ones_last(replicas, budget, ejected):
     choice = choose_replicas(replicas, budget, now_ms=NOW, ejected=ejected)
+    was_ejected = [replica.node_id in ejected for replica in choice.candidates]
+    assert was_ejected == sorted(was_ejected)  # every ejected candidate after all the others
     for replica in choice.candidates:
         assert replica.alive
-        assert replica.node_id not in ejected
         if budget.max_offsets is not None:
             assert fresh(replica)
             assert replica.lag is not None
@@ -107,11 +108,24 @@ def test_a_restoring_active_answers_only_after_an_in_sync_standby():
 
 @settings(max_examples=300)
 @given(replica_sets(), ejections)
-def test_an_unlimited_budget_refuses_only_dead_and_ejected_nodes(replicas, ejected):
+def test_an_unlimited_budget_refuses_only_dead_nodes(replicas, ejected):
     choice = choose_replicas(replicas, LagBudget(), now_ms=NOW, ejected=ejected)
-    assert {r.node_id for r in choice.candidates} == {
-        r.node_id for r in replicas if r.alive and r.node_id not in ejected
-    }
+    assert {r.node_id for r in choice.candidates} == {r.node_id for r in replicas if r.alive}
+
+
+def test_an_ejected_replica_is_the_last_resort_not_refused():
+    """A dead active and a standby ejected after one failed request: the standby is still
+    tried (it is alive and in sync), after any replica that was not ejected."""
+    dead = Replica("a", "http://a", "active", False, 0, NOW - 50, NOW - 100)
+    ejected_standby = Replica("b", "http://b", "standby", True, 0, NOW - 50, NOW - 100)
+    lagging = Replica("c", "http://c", "standby", True, 900, NOW - 5_000, NOW - 100)
+    ejected = frozenset({"b"})
+    alone = choose_replicas((dead, ejected_standby), LagBudget(), now_ms=NOW, ejected=ejected)
+    assert [r.node_id for r in alone.candidates] == ["b"]
+    assert [(r.node_id, r.reason) for r in alone.rejected] == [("a", "dead")]
+    replicas = (dead, ejected_standby, lagging)
+    both = choose_replicas(replicas, LagBudget(), now_ms=NOW, ejected=ejected)
+    assert [r.node_id for r in both.candidates] == ["c", "b"]
 
 
 @settings(max_examples=300)

@@ -433,6 +433,44 @@ def test_without_standby_reads_a_dead_active_is_a_503(stand_ins):
         time.sleep(0.3)
 
 
+def test_the_only_live_replica_is_tried_while_ejected_rather_than_refused(stand_ins):
+    """The active is dead and the standby failed one request and was ejected: while it is
+    ejected it is still the last resort, so reads succeed as soon as it answers again."""
+    key = "last-resort"
+    _, placed = owner(stand_ins, "customers", key)
+    active, standby = placed.active, placed.standbys[0]
+    assert active is not None
+    proxy = start_proxy(
+        stand_ins.services,
+        stand_ins.redis_server.url,
+        name="proxy-long-ejections",
+        cluster=stand_ins.cluster.keys.cluster,
+        **{**PROXY_SETTINGS, "eject_ms": "20000"},
+    )
+    path = f"/stores/customers/keys/{key}"
+    try:
+        stand_ins.cluster.alive.discard(active)
+        stand_ins.publish()
+        time.sleep(0.5)
+        stand_ins.backends[standby].mode = "close"
+        try:
+            failed = proxy.get(path)
+        finally:
+            stand_ins.backends[standby].mode = "ok"
+        assert failed.status_code == 503
+        assert proxy.status()["nodes"][standby]["ejected_since_ms"] is not None
+        answers = [proxy.get(path) for _ in range(3)]
+        assert [a.status_code for a in answers] == [200, 200, 200]
+        assert {a.headers["x-backend"] for a in answers} == {standby}
+        assert proxy.status()["nodes"][standby]["ejected_since_ms"] is not None
+    finally:
+        stand_ins.cluster.alive.add(active)
+        stand_ins.publish()
+        proxy.process.stop()
+        proxy.close()
+        time.sleep(0.3)
+
+
 def test_an_ejected_node_restarted_on_another_port_comes_back(stand_ins):
     """The probe asks the address the node registers now, not the one it was ejected at."""
     key = "moved-node"
