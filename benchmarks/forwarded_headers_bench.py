@@ -26,12 +26,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from benchmarks import wrk
 from benchmarks.materializer_bench import KEYS, PARTITIONS, produce
 from benchmarks.results_file import git_revision, machine_notes, write_json, write_section
-from benchmarks.sampling import TICKS, cpu_and_rss, process_tree
+from benchmarks.sampling import cpu_and_rss, process_tree, user_and_kernel_s
 from kroute.embedded import EmbeddedServices
 from kroute.nodes import start_node
 from kroute.proxies import start_proxy
@@ -54,8 +52,7 @@ def measure(
     url: str, pid: int, seconds: int, headers: tuple[str, ...], proxy_pid: int | None = None
 ) -> dict[str, Any]:
     before = tree_cpu_s(pid)
-    proxy_before = tree_cpu_s(proxy_pid) if proxy_pid else 0.0
-    proxy_split = user_and_kernel_s(proxy_pid) if proxy_pid else (0.0, 0.0)
+    proxy_before = user_and_kernel_s(proxy_pid) if proxy_pid else (0.0, 0.0)
     figures = wrk.run_wrk(url, seconds, connections=16, keys=KEYS, headers=headers)
     used = tree_cpu_s(pid) - before
     answered = figures["rps"] * seconds
@@ -65,36 +62,15 @@ def measure(
         "non_2xx": figures["non_2xx"],
         "cpu_us_per_lookup": round(used / answered * 1e6, 1),
     }
-    if proxy_pid:
-        proxy_used = tree_cpu_s(proxy_pid) - proxy_before
-        result["proxy_cpu_us_per_request"] = round(proxy_used / answered * 1e6, 1)
+    if proxy_pid:  # the proxy is one process: no tree to add up
         user_s, kernel_s = (
             after - was
-            for after, was in zip(user_and_kernel_s(proxy_pid), proxy_split, strict=True)
+            for after, was in zip(user_and_kernel_s(proxy_pid), proxy_before, strict=True)
         )
+        result["proxy_cpu_us_per_request"] = round((user_s + kernel_s) / answered * 1e6, 1)
         result["proxy_user_us_per_request"] = round(user_s / answered * 1e6, 1)
         result["proxy_kernel_us_per_request"] = round(kernel_s / answered * 1e6, 1)
     return result
-
-
-def user_and_kernel_s(pid: int) -> tuple[float, float]:
-    """CPU seconds one process spent in its own code and in the kernel on its behalf."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return int(fields[11]) / TICKS, int(fields[12]) / TICKS
-
-
-def wait_routed(proxy_url: str, timeout_s: float = 60) -> None:
-    """Until the proxy answers a lookup (it learned the node's partitions from Redis)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            answer = httpx.get(f"{proxy_url}/stores/customers/keys/customer-1", trust_env=False)
-            if answer.status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError("the proxy did not route to the node")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,7 +104,11 @@ def main(argv: list[str] | None = None) -> int:
             )
             node.wait_ready(timeout_s=240)
             proxy = start_proxy(services, redis_server.url, cluster="headers-bench")
-            wait_routed(proxy.url)
+            services.await_ready(  # until it learned the node's partitions from Redis
+                proxy.process,
+                lambda: proxy.get("/stores/customers/keys/customer-1").status_code == 200,
+                timeout_s=60,
+            )
             for _ in range(args.rounds):  # interleaved: the machine's noise hits both alike
                 rounds.append(
                     {

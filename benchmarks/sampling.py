@@ -38,14 +38,23 @@ def process_tree(root: int) -> list[int]:
     return found
 
 
+def user_and_kernel_s(pid: int) -> tuple[float, float]:
+    """CPU seconds one process spent in its own code and in the kernel on its behalf; (0, 0)
+    for a process that is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return int(stat[11]) / TICKS, int(stat[12]) / TICKS
+    except (OSError, IndexError, ValueError):
+        return 0.0, 0.0
+
+
 def cpu_and_rss(pid: int) -> tuple[float, int]:
     """(user+system CPU seconds, resident bytes); (0, 0) for a process that is gone."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         resident_pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
     except (OSError, IndexError, ValueError):
         return 0.0, 0
-    return (int(stat[11]) + int(stat[12])) / TICKS, resident_pages * PAGE
+    return sum(user_and_kernel_s(pid)), resident_pages * PAGE
 
 
 @dataclass(frozen=True)

@@ -231,10 +231,14 @@ class KafkaReadTimeout(RuntimeError):
         )
 
 
+def _consumer_key(options: SourceOptions, partition: int) -> tuple[str, str, int]:
+    return (options.bootstrap_servers, options.topic, partition)
+
+
 def _consumer_for(options: SourceOptions, partition: int) -> Any:
     from confluent_kafka import Consumer  # noqa: PLC0415 - worker process only
 
-    key = (options.bootstrap_servers, options.topic, partition)
+    key = _consumer_key(options, partition)
     consumer = _CONSUMERS.get(key)
     if consumer is None:
         consumer = Consumer(
@@ -265,13 +269,13 @@ def read_range(
     """
     from confluent_kafka import TopicPartition  # noqa: PLC0415 - worker process only
 
-    key = (options.bootstrap_servers, options.topic, partition)
     consumer = _consumer_for(options, partition)
     consumer.assign([TopicPartition(options.topic, partition, start)])
     try:
         yield from _read_assigned(consumer, options, partition, start, end)
     finally:
-        if _CONSUMERS.get(key) is not None and _CONSUMERS[key] is consumer:  # a timeout closes it
+        still_open = _CONSUMERS.get(_consumer_key(options, partition)) is consumer  # or timed out
+        if still_open:
             consumer.unassign()
 
 
@@ -299,7 +303,7 @@ def _read_assigned(
             yield _to_batch(columns)
             columns = {name: [] for name in ARROW_SCHEMA.names}
         if next_offset < end and time.monotonic() > deadline:
-            _CONSUMERS.pop((options.bootstrap_servers, options.topic, partition), None)
+            _CONSUMERS.pop(_consumer_key(options, partition), None)
             consumer.close()
             raise KafkaReadTimeout(
                 options.topic,

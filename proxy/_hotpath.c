@@ -1214,15 +1214,15 @@ static int answer_fast(UpstreamBase *self, const char *data, Py_ssize_t length) 
     int reusable = llhttp_should_keep_alive(&parser) &&
                    PyList_GET_SIZE(self->idle) < hub->idle_per_origin;
     int failed = 0;
+    double now = monotonic_s(); /* one clock read: idle since, and the request's latency */
     if (reusable) {
-        self->idle_since = monotonic_s();
+        self->idle_since = now;
         failed = PyList_Append(self->idle, (PyObject *)self) < 0;
     } else {
         PyObject *closed = PyObject_CallMethodNoArgs((PyObject *)self, str_close);
         failed = closed == NULL;
         Py_XDECREF(closed);
     }
-    double now = monotonic_s();
     observe(hub, status, now - received_at);
     if (!failed && !client->closed && client->transport != NULL) {
         PyObject *written = PyObject_CallMethodOneArg(client->transport, str_write, response);
