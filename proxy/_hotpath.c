@@ -166,15 +166,18 @@ typedef struct {
     PyObject *choice;     /* proxy.choice.Choice (its rejections go into 503 bodies) */
     PyObject *candidates; /* tuple of Candidate, best first */
     long long expires_ms; /* wall-clock ms from which it must be recomputed */
+    int spread_width;     /* reads rotate over this many first candidates (choice.rotated) */
 } Cached;
 
 static int Cached_init(Cached *self, PyObject *args, PyObject *kwds) {
-    static char *names[] = {"choice", "candidates", "expires_ms", NULL};
+    static char *names[] = {"choice", "candidates", "expires_ms", "spread_width", NULL};
     PyObject *choice, *candidates;
     long long expires_ms;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO!L", names, &choice, &PyTuple_Type,
-                                     &candidates, &expires_ms))
+    int spread_width = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO!L|i", names, &choice, &PyTuple_Type,
+                                     &candidates, &expires_ms, &spread_width))
         return -1;
+    if (spread_width < 1 || spread_width > PyTuple_GET_SIZE(candidates)) spread_width = 1;
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(candidates); i++) {
         if (!PyObject_TypeCheck(PyTuple_GET_ITEM(candidates, i), &CandidateType)) {
             PyErr_SetString(PyExc_TypeError, "candidates must be Candidate objects");
@@ -184,6 +187,7 @@ static int Cached_init(Cached *self, PyObject *args, PyObject *kwds) {
     Py_XSETREF(self->choice, Py_NewRef(choice));
     Py_XSETREF(self->candidates, Py_NewRef(candidates));
     self->expires_ms = expires_ms;
+    self->spread_width = spread_width;
     return 0;
 }
 
@@ -209,6 +213,7 @@ static PyMemberDef Cached_members[] = {
     {"choice", T_OBJECT, offsetof(Cached, choice), READONLY, NULL},
     {"candidates", T_OBJECT, offsetof(Cached, candidates), READONLY, NULL},
     {"expires_ms", T_LONGLONG, offsetof(Cached, expires_ms), READONLY, NULL},
+    {"spread_width", T_INT, offsetof(Cached, spread_width), READONLY, NULL},
     {NULL},
 };
 
@@ -754,6 +759,7 @@ typedef struct {
     int partition;
     int keep_alive;
     int head_only;
+    int http11;           /* the client can read a chunked answer */
     double received_at;   /* time.perf_counter() seconds */
 } UpstreamBase;
 
@@ -955,9 +961,11 @@ static int forward_fast(ClientBase *self, const char *data, Py_ssize_t length) {
     long long now_ms = wall_ms();
     Py_ssize_t candidate_count = PyTuple_GET_SIZE(cached->candidates);
     if (now_ms >= cached->expires_ms || candidate_count == 0) return 0;
+    /* choice.rotated: only the first spread_width candidates share reads, so a restoring
+     * or ejected replica is never tried first. */
     int shift = 0;
-    if (hub->spread && candidate_count > 1)
-        shift = (int)(++hub->spread_counter % (unsigned long long)candidate_count);
+    if (hub->spread && cached->spread_width > 1)
+        shift = (int)(++hub->spread_counter % (unsigned long long)cached->spread_width);
     Candidate *chosen = (Candidate *)PyTuple_GET_ITEM(cached->candidates, shift);
 
     /* The request to the node: exactly proxy.http.request_head, then the host line. */
@@ -966,7 +974,8 @@ static int forward_fast(ClientBase *self, const char *data, Py_ssize_t length) {
         request_id_length = (size_t)format_request_id(hub, generated_id);
         request_id = generated_id;
     }
-    size_t head_length = 4 + m.url_length + 11 + kept_bytes;
+    const char *method_text = method == HTTP_HEAD ? "HEAD " : "GET ";
+    size_t head_length = strlen(method_text) + m.url_length + 11 + kept_bytes;
     head_length += 17 + (forwarded_for ? forwarded_for->value_length + 2 : 0) +
                    PyBytes_GET_SIZE(self->client_ip) + 2;
     head_length += 25;
@@ -975,7 +984,7 @@ static int forward_fast(ClientBase *self, const char *data, Py_ssize_t length) {
     PyObject *head = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)head_length);
     if (head == NULL) return -1;
     Writer w = {PyBytes_AS_STRING(head)};
-    put_text(&w, "GET ");
+    put_text(&w, method_text);
     put(&w, m.url, m.url_length);
     put_text(&w, " HTTP/1.1\r\n");
     for (int i = 0; i < m.header_count; i++) {
@@ -1041,6 +1050,7 @@ static int forward_fast(ClientBase *self, const char *data, Py_ssize_t length) {
     up->partition = (int)partition;
     up->keep_alive = llhttp_should_keep_alive(&parser);
     up->head_only = method == HTTP_HEAD;
+    up->http11 = parser.http_major > 1 || (parser.http_major == 1 && parser.http_minor >= 1);
     up->received_at = monotonic_s();
     up->busy = 1;
     up->deadline = up->received_at + hub->response_timeout_s;
@@ -1140,7 +1150,11 @@ static int answer_fast(UpstreamBase *self, const char *data, Py_ssize_t length) 
     Message m;
     if (!parse_whole(&parser, HTTP_RESPONSE, &m, data, length)) return 0;
     int status = llhttp_get_status_code(&parser);
-    if (status < 200 || status >= STATUS_SLOTS || status == 421) return 0;
+    /* Python frames the rest: 1xx (absorbed), 421 (failover), and answers without a body
+     * whose Content-Length, if any, is the node's (HEAD, 304) or must go (204). */
+    if (status < 200 || status >= STATUS_SLOTS || status == 421 || status == 204 ||
+        status == 304 || self->head_only)
+        return 0;
     if ((long long)m.body_length > hub->max_response_bytes) return 0;
     if (m.body != NULL && m.body + m.body_length != data + length) return 0;
     const char *head_end = m.body != NULL ? m.body : data + length;
@@ -1322,6 +1336,7 @@ static PyMemberDef UpstreamBase_members[] = {
     {"fast_partition", T_INT, offsetof(UpstreamBase, partition), READONLY, NULL},
     {"fast_keep_alive", T_INT, offsetof(UpstreamBase, keep_alive), READONLY, NULL},
     {"fast_head_only", T_INT, offsetof(UpstreamBase, head_only), READONLY, NULL},
+    {"fast_http11", T_INT, offsetof(UpstreamBase, http11), READONLY, NULL},
     {"fast_received_at", T_DOUBLE, offsetof(UpstreamBase, received_at), READONLY, NULL},
     {NULL},
 };

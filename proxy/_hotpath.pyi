@@ -31,8 +31,13 @@ class Cached:
     choice: Choice
     candidates: tuple[Candidate, ...]
     expires_ms: int
+    spread_width: int
     def __init__(
-        self, choice: Choice, candidates: tuple[Candidate, ...], expires_ms: int
+        self,
+        choice: Choice,
+        candidates: tuple[Candidate, ...],
+        expires_ms: int,
+        spread_width: int = 1,
     ) -> None: ...
 
 class Hub:
@@ -89,6 +94,7 @@ class UpstreamBase:
     fast_partition: int
     fast_keep_alive: int
     fast_head_only: int
+    fast_http11: int
     fast_received_at: float
     def data_received(self, data: bytes) -> None: ...
     def release_fast(self) -> None: ...

@@ -13,9 +13,10 @@ panic routing, and what the unkeyed round robin already does). A replica
 is in sync when its fresh report shows lag 0 or a moment it was caught up; one that is
 restoring (behind and never caught up since its process started, e.g. rebuilding a lost store)
 or has no fresh report could answer with a store that is hours old, so even an unlimited budget
-uses it only when nothing better is left. With `spread`, qualifying replicas are rotated by a
-caller-supplied counter so reads are shared among them (they are all within the budget the
-caller accepted). With
+uses it only when nothing better is left. A choice says how many of its first candidates
+may share reads (`spread_width`: the in-sync replicas that are not ejected), and `rotated` is
+the one rotation both the Python and the C path use to spread reads over them, so a restoring
+or ejected replica is never moved ahead of them. With
 `standby_reads` off only the active may answer (Kafka Streams before KIP-535): kept as a
 policy for callers that must read the owner, and as the benchmarks' baseline.
 
@@ -28,10 +29,11 @@ refused for lag when the budget is unlimited.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
 UnknownLagPolicy = Literal["reject", "accept"]
 Role = Literal["active", "standby"]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +91,16 @@ class Rejection:
 class Choice:
     candidates: tuple[Replica, ...]
     rejected: tuple[Rejection, ...]
+    spread_width: int = 1  # how many leading candidates reads may rotate over
+
+
+def rotated(candidates: tuple[T, ...], width: int, counter: int) -> tuple[T, ...]:
+    """The candidates with their first `width` rotated by `counter`; the rest keep their
+    place (spreading reads never moves a restoring or ejected replica ahead of another)."""
+    if width < 2:
+        return candidates
+    shift = counter % width
+    return candidates[shift:width] + candidates[:shift] + candidates[width:]
 
 
 def choose_replicas(
@@ -99,8 +111,6 @@ def choose_replicas(
     ejected: frozenset[str] = frozenset(),
     unknown_lag: UnknownLagPolicy = "reject",
     stale_after_ms: int = 3_000,
-    spread: bool = False,
-    counter: int = 0,
     standby_reads: bool = True,
 ) -> Choice:
     eligible: list[tuple[tuple[int, int, int, int, str], Replica]] = []
@@ -131,12 +141,10 @@ def choose_replicas(
         (last_resort if replica.node_id in ejected else eligible).append((order, replica))
     eligible.sort(key=lambda entry: entry[0])
     candidates = [replica for _, replica in eligible]
-    if spread and len(candidates) > 1:
-        shift = counter % len(candidates)
-        candidates = candidates[shift:] + candidates[:shift]
+    in_sync = sum(1 for order, _ in eligible if order[0] == 0)
     last_resort.sort(key=lambda entry: entry[0])
     candidates += [replica for _, replica in last_resort]
-    return Choice(tuple(candidates), tuple(rejected))
+    return Choice(tuple(candidates), tuple(rejected), max(in_sync, 1))
 
 
 def _in_sync(replica: Replica) -> bool:

@@ -6,13 +6,16 @@ ProxyError(Exception)
 │   ├── KeyRejected      a keyed route's key is missing or not valid for the store's format (400)
 │   ├── UnknownStore     no such store in the routing table (404)
 │   ├── MethodNotAllowed a keyed route takes GET and HEAD only (405)
-│   └── TooLarge         headers or body over the configured bounds (413 / 431)
+│   ├── TooLarge         headers or body over the configured bounds (413 / 431)
+│   ├── ExpectationFailed  an Expect other than 100-continue (417)
+│   └── UnsupportedCoding  a request transfer coding other than chunked alone (501)
 └── UpstreamFailure      a node could not give an answer (retriable: try the next candidate)
     ├── UpstreamRefused  connect failed (refused, unreachable, connect timeout)
     ├── UpstreamReset    the connection closed or reset before a whole response arrived
     │   └── UpstreamClosedKept  a kept-alive one, before any byte of the answer
     ├── UpstreamTimeout  no whole response within the upstream timeout
-    └── UpstreamProtocol the node's response could not be parsed
+    └── UpstreamProtocol the node's answer cannot be passed on (unparsable, a 101, over a
+                         limit): a 502, and not a sign that the node is down
 
 Each class carries its HTTP status and a short machine-readable code; the listener turns a
 RequestRejected into a JSON body, and the exchange turns UpstreamFailures into failover.
@@ -65,6 +68,16 @@ class TooLarge(RequestRejected):
     def __init__(self, detail: str, *, status: int = 413, **extra: Any) -> None:
         super().__init__(detail, **extra)
         self.status = status
+
+
+class ExpectationFailed(RequestRejected):
+    status = 417
+    code = "expectation_failed"
+
+
+class UnsupportedCoding(RequestRejected):
+    status = 501
+    code = "unsupported_transfer_coding"
 
 
 class UpstreamFailure(ProxyError):

@@ -1,16 +1,23 @@
 """One client request's way through the candidates: send, fail over, answer.
 
 Callback style, no task per request: `start` sends to the first candidate over the pool, and
-the pool's completion callback either answers the client or moves to the next candidate.
-Failover happens only for idempotent requests, only on failures that say nothing was served
-(connect failed, connection reset, timeout, unparsable response) or on a node's 421 ("not
-mine": the table is refreshed), and only within the retry budget (`proxy.retry_budget`), so a
-sick cluster is not hit with a multiple of its load.
+the exchange, as the pool's `ResponseSink`, either answers the client or moves to the next
+candidate. Failover happens only for idempotent requests, only on failures that say nothing
+was served (connect failed, connection reset, timeout) or on a node's 421 ("not mine": the
+table is refreshed), only before any byte of the answer went to the client, and only within
+the retry budget (`proxy.retry_budget`), so a sick cluster is not hit with a multiple of its
+load. A malformed or oversized answer is a 502 for that request: the node is not down, so it
+is neither ejected nor retried.
+
+An answer longer than the pool's buffer is streamed: its head goes to the client, then its
+body as it arrives, with the client's back-pressure pausing the node's connection. A node
+that fails mid-stream cannot be failed over any more (the client has part of an answer):
+the client's connection is closed without completing the answer, as HAProxy and Envoy do.
 
 A request the C path (`proxy._hotpath`) forwarded is adopted by an exchange here when it
 cannot be finished in C (a failure, a 421, a response that is not whole and simple):
-`adopt_fast_request` rebuilds the exchange from what the connection kept and it goes on as if
-it had started here.
+`adopt` rebuilds the exchange from what the connection kept and it goes on as if it had
+started here.
 """
 
 from __future__ import annotations
@@ -18,36 +25,87 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 
 from common.clock import now_ms
 from proxy._hotpath import Cached, Candidate
-from proxy.choice import LagBudget, Rejection, Replica
-from proxy.errors import UpstreamClosedKept, UpstreamFailure
+from proxy.choice import LagBudget, Rejection, Replica, rotated
+from proxy.errors import UpstreamClosedKept, UpstreamFailure, UpstreamProtocol
 from proxy.health import Ejections
-from proxy.http import ClientRequest, json_response, request_head, response_bytes
+from proxy.http import (
+    CHUNKED,
+    LAST_CHUNK,
+    NO_BODY,
+    UNTIL_CLOSE,
+    ClientRequest,
+    answer_head,
+    body_framing,
+    chunk,
+    json_response,
+    request_head,
+)
 from proxy.metrics import ProxyMetrics
 from proxy.retry_budget import RetryBudget
-from proxy.upstream import Done, UpstreamConnection, UpstreamPool, UpstreamResponse
+from proxy.upstream import ResponseHead, UpstreamConnection, UpstreamPool
 
 log = structlog.get_logger("kroute.proxy.exchange")
 
-Respond = Callable[[bytes, bool], None]
+
+class Producer(Protocol):
+    """What a client's back-pressure pauses: the node connection streaming its answer."""
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+    def cancel(self) -> None:
+        """The client is gone: stop streaming (the node connection is closed)."""
 
 
-def provenance_lines(node_id: str, partition: int, replica: Replica) -> bytes:
+class Client(Protocol):
+    """The client connection an exchange answers (proxy.listener.ClientConnection)."""
+
+    def respond(self, message: bytes, keep_alive: bool) -> None:
+        """The whole answer, or its last bytes: the response ends here."""
+
+    def send_part(self, data: bytes, producer: Producer) -> None:
+        """Part of an answer that goes on; `producer` is paused while the client cannot
+        take more."""
+
+    def abort_response(self) -> None:
+        """The answer cannot be completed: close the connection without ending it."""
+
+
+def provenance_lines(node_id: str, partition: int | None, replica: Replica | None) -> bytes:
+    """The x-kroute-* lines every answer from this node carries (one place for both paths:
+    the C path sends a candidate's copy of them). Time lag is not here: it grows per answer."""
+    lines = b"x-kroute-node: %s\r\n" % node_id.encode()
+    if partition is None or replica is None:
+        return lines
     lag = b"unknown" if replica.lag is None else str(replica.lag).encode()
-    lines = b"x-kroute-node: %s\r\nx-kroute-partition: %d\r\nx-kroute-role: %s\r\n" % (
-        node_id.encode(),
+    lines += b"x-kroute-partition: %d\r\nx-kroute-role: %s\r\nx-kroute-lag: %s\r\n" % (
         partition,
         replica.role.encode(),
+        lag,
     )
-    lines += b"x-kroute-lag: " + lag + b"\r\n"
     if replica.caught_up_at_ms is None and replica.lag == 0:
         lines += b"x-kroute-time-lag-ms: 0\r\n"  # else computed per answer (it grows)
     return lines
+
+
+def answer_lines(candidate: Candidate, attempts: int, request_id: bytes) -> bytes:
+    """The proxy's header lines on an answer from `candidate`."""
+    lines = candidate.provenance
+    replica = candidate.replica
+    if replica is not None and replica.caught_up_at_ms is not None:
+        time_lag = replica.time_lag_ms(now_ms())
+        if time_lag is not None:
+            lines += b"x-kroute-time-lag-ms: %d\r\n" % time_lag
+    if attempts > 1:
+        lines += b"x-kroute-attempts: %d\r\n" % attempts
+    return lines + b"x-request-id: " + request_id + b"\r\n"
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,12 +114,11 @@ class Target:
     url: str
     origin: tuple[str, int]
     host_line: bytes  # "host: <authority>\r\n" for requests to this node
-    node_line: bytes  # "x-kroute-node: <id>\r\n" for answers from it
 
     @classmethod
     def build(cls, node_id: str, url: str, host: str, port: int) -> Target:
         authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        return cls(node_id, url, (host, port), f"host: {authority}\r\n".encode(), node_id.encode())
+        return cls(node_id, url, (host, port), f"host: {authority}\r\n".encode())
 
 
 @dataclass
@@ -80,11 +137,14 @@ class ExchangeContext:
 class Exchange:
     __slots__ = (
         "_attempt",
+        "_client",
+        "_connection",
         "_ctx",
+        "_framing",
         "_head",
         "_request",
         "_resent",
-        "_respond",
+        "_status",
         "_tried",
         "budget",
         "idempotent",
@@ -98,7 +158,7 @@ class Exchange:
         self,
         ctx: ExchangeContext,
         request: ClientRequest,
-        respond: Respond,
+        client: Client,
         *,
         targets: Sequence[Candidate],
         store: str | None,
@@ -109,7 +169,7 @@ class Exchange:
     ) -> None:
         self._ctx = ctx
         self._request = request
-        self._respond = respond
+        self._client = client
         self.targets = targets
         self.store = store
         self.partition = partition
@@ -120,33 +180,36 @@ class Exchange:
         self._tried: list[dict[str, str]] = []
         self._head = b""
         self._resent = False  # once per exchange, after a kept connection closed unanswered
+        self._connection: UpstreamConnection | None = None  # while streaming an answer
+        self._framing = ""
+        self._status = 0
 
     @classmethod
-    def adopt(cls, ctx: ExchangeContext, connection: UpstreamConnection) -> Done:
-        """Take over the request the C path forwarded on this connection; returns the
-        callback for its outcome. The C path already counted the attempt and the deposit."""
+    def adopt(cls, ctx: ExchangeContext, connection: UpstreamConnection) -> Exchange:
+        """Take over the request the C path forwarded on this connection; returns the sink
+        for its outcome. The C path already counted the attempt and the deposit."""
         cached: Cached = connection.fast_cached
-        shift = connection.fast_shift
-        candidates = cached.candidates
         head: bytes = connection.fast_head
         client = connection.fast_client
+        method = "HEAD" if connection.fast_head_only else "GET"
         request = ClientRequest(
-            method="HEAD" if connection.fast_head_only else "GET",
+            method=method,
             target=head.split(b" ", 2)[1].decode("ascii"),
             path="",
             query=None,
             headers=[],
             body=b"",
-            client_ip=client._client_ip,
+            client_ip=client.client_ip,
             keep_alive=bool(connection.fast_keep_alive),
             request_id=connection.fast_request_id,
             received_at=connection.fast_received_at,
+            http11=bool(connection.fast_http11),
         )
         exchange = cls(
             ctx,
             request,
-            client.respond,
-            targets=candidates[shift:] + candidates[:shift],
+            client,
+            targets=rotated(cached.candidates, cached.spread_width, connection.fast_shift),
             store=connection.fast_store.decode(),
             partition=connection.fast_partition,
             rejected=cached.choice.rejected,
@@ -156,7 +219,7 @@ class Exchange:
         exchange._head = head
         connection.release_fast()
         ctx.in_flight += 1
-        return exchange._on_done
+        return exchange
 
     def start(self) -> None:
         if not self.targets:
@@ -164,7 +227,7 @@ class Exchange:
             return
         request = self._request
         self._head = request_head(
-            "GET" if request.method == "HEAD" else request.method,
+            request.method,
             request.target,
             request.headers,
             client_ip=request.client_ip,
@@ -184,20 +247,62 @@ class Exchange:
 
     def _transmit(self, target: Target, *, fresh: bool) -> None:
         message = self._head + target.host_line + b"\r\n" + self._request.body
-        self._ctx.pool.send(target.origin, message, self._on_done, fresh=fresh)
+        self._ctx.pool.send(
+            target.origin,
+            message,
+            self,
+            head_request=self._request.method == "HEAD",
+            fresh=fresh,
+        )
 
-    def _on_done(self, response: UpstreamResponse | None, failure: UpstreamFailure | None) -> None:
+    # -- the pool's ResponseSink ---------------------------------------------------------------
+
+    def on_response(
+        self, connection: UpstreamConnection, head: ResponseHead, body: bytes, complete: bool
+    ) -> None:
         target = self.targets[self._attempt].target
-        if failure is not None:
-            self._failed(target, failure)
-        elif response is not None and response.status == 421 and self.store is not None:
+        if head.status == 421 and self.store is not None:
             ProxyMetrics.bump(self._ctx.metrics.misdirected, target.node_id)
             self._ctx.refresh_table()
             self._tried.append({"node": target.node_id, "outcome": "421 misdirected"})
-            if not self._next():
-                self._answer(response)
-        elif response is not None:
-            self._answer(response)
+            if self._may_retry():
+                if not complete:
+                    connection.abandon()  # the rest of a long "not mine" is not worth reading
+                self._advance()
+                return
+        if complete:
+            self._answer_whole(head, body)
+        else:
+            self._start_stream(connection, head, body)
+
+    def on_body(self, data: bytes) -> None:
+        connection = self._connection
+        if connection is None:
+            return
+        self._client.send_part(chunk(data) if self._framing == CHUNKED else data, connection)
+
+    def on_end(self) -> None:
+        self._connection = None
+        last = LAST_CHUNK if self._framing == CHUNKED else b""
+        keep_alive = self._request.keep_alive and self._framing != UNTIL_CLOSE
+        self._finish(last, self._status, keep_alive=keep_alive)
+
+    def on_cancelled(self) -> None:
+        """The client went away while its answer was streaming."""
+        self._connection = None
+        self._ctx.in_flight -= 1
+        self._observe(self._status)
+
+    def on_failure(self, failure: UpstreamFailure) -> None:
+        target = self.targets[self._attempt].target
+        if self._connection is not None:
+            self._stream_failed(target, failure)
+        elif isinstance(failure, UpstreamProtocol):
+            self._bad_answer(target, failure)
+        else:
+            self._failed(target, failure)
+
+    # -- failures ------------------------------------------------------------------------------
 
     def _failed(self, target: Target, failure: UpstreamFailure) -> None:
         ctx = self._ctx
@@ -218,7 +323,8 @@ class Exchange:
         ctx.ejections.eject(target.node_id, target.url, f"{failure.kind}: {failure}")
         ctx.pool.drop_origin(target.origin)
         self._tried.append({"node": target.node_id, "outcome": f"{failure.kind}: {failure}"})
-        if self.idempotent and self._next():
+        if self.idempotent and self._may_retry():
+            self._advance()
             log.info(
                 "failover",
                 request_id=self._request.request_id.decode(),
@@ -228,27 +334,49 @@ class Exchange:
                 partition=self.partition,
             )
             return
-        self._finish(
-            json_response(
-                503 if self.idempotent else 502,
-                {
-                    "error": "upstream_failed",
-                    "detail": "every node tried failed"
-                    if self.idempotent
-                    else "the node failed and the request is not idempotent (not retried)",
-                    **self._where(),
-                    "tried": self._tried,
-                    "rejected": [_rejection(r) for r in self.rejected],
-                },
-                keep_alive=self._request.keep_alive,
-                extra_headers=[(b"x-request-id", self._request.request_id)],
-                head_only=self._request.method == "HEAD",
-            ),
-            503 if self.idempotent else 502,
+        status = 503 if self.idempotent else 502
+        detail = (
+            "every node tried failed"
+            if self.idempotent
+            else "the node failed and the request is not idempotent (not retried)"
+        )
+        self._answer_error(status, "upstream_failed", detail, **self._attempts())
+
+    def _bad_answer(self, target: Target, failure: UpstreamFailure) -> None:
+        """A node answered, but not in HTTP the proxy can pass on: 502, the node stays in."""
+        self._ctx.metrics.failed(target.node_id, failure.kind)
+        self._tried.append({"node": target.node_id, "outcome": f"{failure.kind}: {failure}"})
+        log.warning(
+            "bad answer from a node",
+            request_id=self._request.request_id.decode(),
+            node=target.node_id,
+            reason=str(failure),
+        )
+        self._answer_error(
+            502, "bad_gateway", "the node's answer could not be passed on", **self._attempts()
         )
 
-    def _next(self) -> bool:
-        """Move to the next candidate if there is one and the retry budget allows."""
+    def _stream_failed(self, target: Target, failure: UpstreamFailure) -> None:
+        """The node failed after part of its answer went to the client: nothing can be
+        retried, so the client's connection is closed short of the answer's end."""
+        ctx = self._ctx
+        self._connection = None
+        ctx.metrics.failed(target.node_id, failure.kind)
+        ctx.metrics.cut_short += 1
+        if not isinstance(failure, UpstreamProtocol):
+            ctx.ejections.eject(target.node_id, target.url, f"{failure.kind}: {failure}")
+        log.warning(
+            "answer cut short",
+            request_id=self._request.request_id.decode(),
+            node=target.node_id,
+            reason=f"{failure.kind}: {failure}",
+        )
+        ctx.in_flight -= 1
+        self._observe(self._status)
+        self._client.abort_response()
+
+    def _may_retry(self) -> bool:
+        """Whether a next candidate may be tried: there is one and the retry budget allows."""
         ctx = self._ctx
         if self._attempt + 1 >= len(self.targets):
             return False
@@ -256,60 +384,72 @@ class Exchange:
             ctx.metrics.retry_budget_exhausted += 1
             self._tried.append({"node": "-", "outcome": "retry budget exhausted"})
             return False
-        ctx.metrics.failovers += 1
-        self._attempt += 1
-        self._send()
         return True
 
-    def _answer(self, response: UpstreamResponse) -> None:
-        candidate = self.targets[self._attempt]
-        replica: Replica | None = candidate.replica
+    def _advance(self) -> None:
+        self._ctx.metrics.failovers += 1
+        self._attempt += 1
+        self._send()
+
+    # -- answers -------------------------------------------------------------------------------
+
+    def _answer_whole(self, head: ResponseHead, body: bytes) -> None:
         request = self._request
-        extra = candidate.provenance or candidate.target.node_line
-        if replica is not None and replica.caught_up_at_ms is not None:
-            time_lag = replica.time_lag_ms(now_ms())
-            if time_lag is not None:
-                extra += b"x-kroute-time-lag-ms: %d\r\n" % time_lag
-        if self._attempt:
-            extra += b"x-kroute-attempts: %d\r\n" % (self._attempt + 1)
-        self._finish(
-            response_bytes(
-                response.status,
-                response.head_lines,
-                extra + b"x-request-id: " + request.request_id + b"\r\n",
-                response.body,
-                keep_alive=request.keep_alive,
-                head_only=request.method == "HEAD",
-            ),
-            response.status,
+        head_request = request.method == "HEAD"
+        length = head.content_length if head_request or head.status == 304 else len(body)
+        framing_line, framing = body_framing(
+            head.status, head_request=head_request, length=length, chunked_ok=request.http11
         )
+        lines = answer_lines(self.targets[self._attempt], self._attempt + 1, request.request_id)
+        keep_alive = request.keep_alive
+        message = answer_head(
+            head.status, head.lines, lines, framing_line, keep_alive=keep_alive
+        ) + (b"" if framing == NO_BODY else body)
+        self._finish(message, head.status, keep_alive=keep_alive)
+
+    def _start_stream(
+        self, connection: UpstreamConnection, head: ResponseHead, body: bytes
+    ) -> None:
+        request = self._request
+        framing_line, framing = body_framing(
+            head.status, head_request=False, length=head.content_length, chunked_ok=request.http11
+        )
+        keep_alive = request.keep_alive and framing != UNTIL_CLOSE
+        lines = answer_lines(self.targets[self._attempt], self._attempt + 1, request.request_id)
+        message = answer_head(head.status, head.lines, lines, framing_line, keep_alive=keep_alive)
+        self._framing = framing
+        self._status = head.status
+        self._connection = connection
+        self._ctx.metrics.streamed += 1
+        connection.stream()
+        self._client.send_part(message + (chunk(body) if framing == CHUNKED else body), connection)
 
     def _no_candidates(self) -> None:
-        request = self._request
         if self.store is None:
-            payload: dict[str, Any] = {
-                "error": "no_nodes",
-                "detail": "no live node is registered for this cluster",
-            }
+            error, detail = "no_nodes", "no live node is registered for this cluster"
+            extra: dict[str, Any] = {}
         else:
             ProxyMetrics.bump(self._ctx.metrics.no_replica, self.store)
-            payload = {
-                "error": "no_replica",
-                "detail": "all replicas of the partition are dead or beyond the allowed lag",
-                **self._where(),
-                "replicas": [_rejection(r) for r in self.rejected],
-            }
+            error = "no_replica"
+            detail = "all replicas of the partition are dead or beyond the allowed lag"
+            extra = {"replicas": [_rejection(r) for r in self.rejected]}
         self._ctx.in_flight += 1  # _finish counts it out
-        self._finish(
-            json_response(
-                503,
-                payload,
-                keep_alive=request.keep_alive,
-                extra_headers=[(b"x-request-id", request.request_id)],
-                head_only=request.method == "HEAD",
-            ),
-            503,
+        self._answer_error(503, error, detail, **extra)
+
+    def _answer_error(self, status: int, error: str, detail: str, **extra: Any) -> None:
+        request = self._request
+        payload: dict[str, Any] = {"error": error, "detail": detail, **self._where(), **extra}
+        message = json_response(
+            status,
+            payload,
+            keep_alive=request.keep_alive,
+            extra_headers=[(b"x-request-id", request.request_id)],
+            head_only=request.method == "HEAD",
         )
+        self._finish(message, status, keep_alive=request.keep_alive)
+
+    def _attempts(self) -> dict[str, Any]:
+        return {"tried": self._tried, "rejected": [_rejection(r) for r in self.rejected]}
 
     def _where(self) -> dict[str, Any]:
         where: dict[str, Any] = {}
@@ -319,9 +459,13 @@ class Exchange:
             where["budget"] = {"max_lag": self.budget.max_offsets, "max_lag_ms": self.budget.max_ms}
         return where
 
-    def _finish(self, message: bytes, status: int) -> None:
+    def _finish(self, message: bytes, status: int, *, keep_alive: bool) -> None:
+        self._ctx.in_flight -= 1
+        self._observe(status)
+        self._client.respond(message, keep_alive)
+
+    def _observe(self, status: int) -> None:
         ctx = self._ctx
-        ctx.in_flight -= 1
         request = self._request
         elapsed = time.perf_counter() - request.received_at
         ctx.metrics.observe("keyed" if self.store is not None else "passthrough", status, elapsed)
@@ -337,7 +481,6 @@ class Exchange:
                 attempts=self._attempt + 1,
                 ms=round(elapsed * 1000, 3),
             )
-        self._respond(message, request.keep_alive)
 
 
 def _rejection(rejection: Rejection) -> dict[str, str]:

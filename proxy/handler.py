@@ -30,6 +30,7 @@ from proxy.choice import (
     UnknownLagPolicy,
     choice_expires_at,
     choose_replicas,
+    rotated,
 )
 from proxy.errors import (
     BadRequest,
@@ -38,7 +39,7 @@ from proxy.errors import (
     RequestRejected,
     UnknownStore,
 )
-from proxy.exchange import Exchange, ExchangeContext, Target, provenance_lines
+from proxy.exchange import Client, Exchange, ExchangeContext, Target, provenance_lines
 from proxy.http import ClientRequest, json_response
 from proxy.metrics import ProxyMetrics
 from proxy.routes import CompiledRoute, KeyedRequest, RouteTable
@@ -51,8 +52,6 @@ MAX_LAG_MS_HEADER = b"x-kroute-max-lag-ms"
 BUDGET_HEADERS = (MAX_LAG_HEADER, MAX_LAG_MS_HEADER)  # requests with them take the Python path
 IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS"})
 KEYED_METHODS = frozenset({"GET", "HEAD"})
-
-Respond = Callable[[bytes, bool], None]  # (response bytes, keep the connection open)
 
 
 @dataclass(frozen=True)
@@ -119,17 +118,21 @@ class RequestHandler:
             cache[:] = [None] * len(cache)  # in place: the hub holds these lists
 
     def _candidate(
-        self, target: Target, replica: Replica | None = None, store: str = "", partition: int = 0
+        self,
+        target: Target,
+        replica: Replica | None = None,
+        store: str = "",
+        partition: int | None = None,
     ) -> Candidate:
         metrics = self.metrics
         return Candidate(
             target,
             replica,
-            b"" if replica is None else provenance_lines(target.node_id, partition, replica),
+            provenance_lines(target.node_id, partition, replica),
             self.context.pool.idle_list(target.origin),
             target.host_line,
             None
-            if replica is None
+            if replica is None or partition is None
             else metrics.choice_tally(store, partition, target.node_id, replica.role),
             metrics.node_tally(target.node_id),
             -1 if replica is None or replica.lag is None else replica.lag,
@@ -138,23 +141,23 @@ class RequestHandler:
 
     # -- requests ----------------------------------------------------------------------------
 
-    def handle(self, request: ClientRequest, respond: Respond) -> None:
+    def handle(self, request: ClientRequest, client: Client) -> None:
         try:
             keyed = self.routes.match(request.path, request.query, _header_reader(request))
             if keyed is None:
-                self._passthrough(request, respond)
+                self._passthrough(request, client)
             else:
-                self._keyed(request, keyed, respond)
+                self._keyed(request, keyed, client)
         except RequestRejected as exc:
-            self.reject(request, exc, respond)
+            self.reject(request, exc, client)
 
-    def reject(self, request: ClientRequest, exc: RequestRejected, respond: Respond) -> None:
+    def reject(self, request: ClientRequest, exc: RequestRejected, client: Client) -> None:
         ProxyMetrics.bump(self.metrics.rejected, exc.code)
         self.metrics.observe("rejected", exc.status, time.perf_counter() - request.received_at)
         headers = [(b"x-request-id", request.request_id)]
         if exc.status == 405:
             headers.append((b"allow", b"GET, HEAD"))
-        respond(
+        client.respond(
             json_response(
                 exc.status,
                 exc.payload(),
@@ -165,7 +168,7 @@ class RequestHandler:
             request.keep_alive,
         )
 
-    def _keyed(self, request: ClientRequest, keyed: KeyedRequest, respond: Respond) -> None:
+    def _keyed(self, request: ClientRequest, keyed: KeyedRequest, client: Client) -> None:
         if request.method not in KEYED_METHODS:
             raise _method_not_allowed(request.method)
         snapshot = self.snapshot
@@ -185,14 +188,13 @@ class RequestHandler:
             ) from None
         budget = self._request_budget(request)
         choice, candidates = self._choice(store, keyed.store, partition, budget)
-        if self.policy.spread and len(candidates) > 1:
+        if self.policy.spread:
             self._counter += 1
-            shift = self._counter % len(candidates)
-            candidates = candidates[shift:] + candidates[:shift]
+            candidates = rotated(candidates, choice.spread_width, self._counter)
         Exchange(
             self.context,
             request,
-            respond,
+            client,
             targets=candidates,
             store=keyed.store,
             partition=partition,
@@ -201,18 +203,16 @@ class RequestHandler:
             idempotent=True,
         ).start()
 
-    def _passthrough(self, request: ClientRequest, respond: Respond) -> None:
+    def _passthrough(self, request: ClientRequest, client: Client) -> None:
         live = [self._plain[n] for n in sorted(self.snapshot.alive) if n in self._plain]
         ejected = self.context.ejections.ejected
         live = [c for c in live if c.target.node_id not in ejected] or live
-        if live:
-            self._counter += 1
-            shift = self._counter % len(live)
-            live = live[shift:] + live[:shift]
+        self._counter += 1
+        live = list(rotated(tuple(live), len(live), self._counter))
         Exchange(
             self.context,
             request,
-            respond,
+            client,
             targets=live,
             store=None,
             partition=None,
@@ -276,7 +276,7 @@ class RequestHandler:
             expires = choice_expires_at(
                 replicas, effective, now_ms=at, stale_after_ms=policy.stale_after_ms
             )
-            cache[partition] = Cached(choice, candidates, expires)
+            cache[partition] = Cached(choice, candidates, expires, choice.spread_width)
         return choice, candidates
 
 

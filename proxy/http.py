@@ -1,10 +1,13 @@
 """HTTP/1.1 message bytes for the hot path: requests to nodes, responses to clients (pure).
 
 Hop-by-hop headers (RFC 9110 §7.6.1), and any header a Connection header names, are never
-passed on; a node's provenance headers are replaced by the proxy's own (what it routed on);
-Content-Length is recomputed because bodies are buffered (lookups are small and a
-bounded buffer is what lets a failed attempt be retried on another node). What depends only
-on configuration (status lines, canned bodies) is computed once.
+passed on; a node's provenance headers are replaced by the proxy's own (what it routed on).
+Framing is the proxy's own on each side (`body_framing`): request bodies are buffered whole
+and sent with a Content-Length; an answer is sent with the node's Content-Length when it
+has one, else chunked to HTTP/1.1 clients and close-delimited to HTTP/1.0 ones; answers to
+HEAD, 204 and 304 never carry a body. `Expect` is answered by the proxy itself and not passed
+on (Envoy's default: the proxy reads the whole body before it forwards anything). What
+depends only on configuration (status lines, canned bodies) is computed once.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ REPLACED_IN_REQUEST = frozenset(
         b"x-forwarded-for",  # extended, not copied
         b"x-forwarded-proto",
         b"x-forwarded-host",
+        b"expect",  # answered by the proxy (100 Continue) before the body is read
     }
 )
 # Provenance headers the proxy sets from its own routing view; a node's copies are dropped.
@@ -145,6 +149,45 @@ def filter_response_head(lines: bytes) -> bytes:
     return kept
 
 
+# How an answer's body is sent to the client (see body_framing).
+NO_BODY, BY_LENGTH, CHUNKED, UNTIL_CLOSE = "no_body", "length", "chunked", "until_close"
+LAST_CHUNK = b"0\r\n\r\n"
+
+
+def body_framing(
+    status: int, *, head_request: bool, length: int | None, chunked_ok: bool
+) -> tuple[bytes, str]:
+    """The framing header line of an answer to the client, and how its body is sent.
+
+    `length` is the body's length when known (for HEAD and 304, the node's Content-Length,
+    which describes the representation: RFC 9110 §8.6 lets both carry it); `chunked_ok` says
+    the client speaks HTTP/1.1 (an HTTP/1.0 client reads an unknown length until the close).
+    A 1xx or 204 answer carries neither Content-Length nor a body (RFC 9110 §8.6).
+    """
+    if status < 200 or status == 204:
+        return b"", NO_BODY
+    if head_request or status == 304:
+        return (b"" if length is None else b"content-length: %d\r\n" % length), NO_BODY
+    if length is not None:
+        return b"content-length: %d\r\n" % length, BY_LENGTH
+    if chunked_ok:
+        return b"transfer-encoding: chunked\r\n", CHUNKED
+    return b"", UNTIL_CLOSE
+
+
+def answer_head(
+    status: int, head_lines: bytes, extra_lines: bytes, framing_line: bytes, *, keep_alive: bool
+) -> bytes:
+    """Status line, the node's kept header lines, the proxy's own, framing, end of head."""
+    ending = b"\r\n" if keep_alive else b"connection: close\r\n\r\n"
+    return status_line(status) + head_lines + extra_lines + framing_line + ending
+
+
+def chunk(data: bytes) -> bytes:
+    """One chunk of a chunked body (RFC 9112 §7.1); never the last (empty) one."""
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
 def response_bytes(
     status: int,
     head_lines: bytes,
@@ -192,6 +235,7 @@ class ClientRequest:
         "body",
         "client_ip",
         "headers",
+        "http11",
         "keep_alive",
         "method",
         "path",
@@ -214,6 +258,7 @@ class ClientRequest:
         keep_alive: bool,
         request_id: bytes,
         received_at: float,
+        http11: bool = True,
     ) -> None:
         self.method = method
         self.target = target
@@ -225,6 +270,7 @@ class ClientRequest:
         self.keep_alive = keep_alive
         self.request_id = request_id
         self.received_at = received_at
+        self.http11 = http11  # HTTP/1.1 or later: can read a chunked answer
 
     def header(self, name: bytes) -> bytes | None:
         for header_name, value in self.headers:

@@ -1,12 +1,21 @@
 """The data port: HTTP/1.1 client connections parsed with httptools on uvloop.
 
 Each connection is an asyncio Protocol. Requests are handled one at a time per connection, in
-order (pipelined requests wait their turn; reading pauses when too many wait). Limits are
-enforced while parsing, before anything is forwarded: request line plus headers, header count,
-body size, and two deadlines kept by one sweeper instead of a timer per request — a whole
-request must arrive within `request_timeout` (a slow client cannot hold a connection), and an
-idle keep-alive connection is closed after `idle_timeout`. A request the proxy refuses gets a
-JSON 4xx and is never forwarded.
+order (pipelined requests wait their turn). Limits are enforced while parsing, before
+anything is forwarded: request line plus headers (the target included, counted as it arrives),
+header count, body size, transfer coding (`chunked` alone; trailers are dropped, never merged
+into the headers), and deadlines kept by one sweeper instead of a timer per request — a whole
+request must arrive within `request_timeout`, an idle keep-alive connection is closed after
+`idle_timeout`. A request the proxy refuses gets a JSON 4xx and is never forwarded.
+
+Memory per connection is bounded by back-pressure: when the client's unsent answers pass
+WRITE_HIGH_WATER the client is no longer read and a node streaming to it is paused, until
+they drain below WRITE_LOW_WATER; a client that takes nothing for `send_timeout` is reset. So
+a connection holds at most the high-water mark of answers, one node read (uvloop reads up to
+256 KiB at a time), the exchange's buffer (`proxy.upstream.STREAM_AFTER_BYTES`), and up to
+_MAX_QUEUED pipelined requests (their bodies at most _MAX_QUEUED_BYTES beyond the one being
+read). A connection the proxy closes sends FIN after its last answer and is reset if the
+client has not closed within `close_timeout`; it counts against `max_connections` until then.
 
 `ClientConnection` extends the C half from `proxy._hotpath`, whose data_received forwards the
 common case itself (a whole keyed GET/HEAD in one read, with a cached choice and an idle node
@@ -16,7 +25,10 @@ connection) and hands everything else, unchanged, to `slow_data_received` here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
+import socket
+import struct
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -26,7 +38,15 @@ import httptools
 import structlog
 
 from proxy._hotpath import ClientBase, Hub
-from proxy.errors import BadRequest, MethodNotAllowed, RequestRejected, TooLarge
+from proxy.errors import (
+    BadRequest,
+    ExpectationFailed,
+    MethodNotAllowed,
+    RequestRejected,
+    TooLarge,
+    UnsupportedCoding,
+)
+from proxy.exchange import Producer
 from proxy.handler import RequestHandler
 from proxy.http import ClientRequest, json_response
 from proxy.metrics import ProxyMetrics
@@ -34,7 +54,16 @@ from proxy.metrics import ProxyMetrics
 log = structlog.get_logger("kroute.proxy.listener")
 
 _VALID_REQUEST_ID = re.compile(rb"^[A-Za-z0-9._:-]{1,64}$")
-_MAX_QUEUED = 16  # pipelined requests waiting on one connection before reading pauses
+# Pipelined requests (and their bodies' bytes) waiting on one connection before reading pauses.
+_MAX_QUEUED = 16
+_MAX_QUEUED_BYTES = 1 << 20
+# A client's unsent answers: above the high mark the client is no longer read and a node
+# streaming to it is paused; both resume below the low mark (asyncio's own defaults).
+WRITE_HIGH_WATER = 65_536
+WRITE_LOW_WATER = 16_384
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_MAX_DISCARDED_BYTES = 65_536
+_LINGER_RESET = struct.pack("ii", 1, 0)
 
 
 @dataclass(frozen=True)
@@ -45,6 +74,8 @@ class Limits:
     request_timeout_s: float
     idle_timeout_s: float
     max_connections: int
+    send_timeout_s: float = 30.0
+    close_timeout_s: float = 5.0
 
 
 class ClientConnection(ClientBase, asyncio.Protocol):
@@ -60,20 +91,28 @@ class ClientConnection(ClientBase, asyncio.Protocol):
         self._parser = httptools.HttpRequestParser(self)
         self._client_ip = "unknown"
         self._queue: deque[ClientRequest] = deque()
-        self._paused = False
+        self._queued_bytes = 0
+        self._read_paused = False  # the transport's reading is paused (for any reason below)
+        self._write_blocked = False  # the client is not taking its answers (back-pressure)
+        self._producer: Producer | None = None  # the node connection streaming an answer here
         # A refusal waiting for the requests before it to be answered (pipelining).
         self._refusal: tuple[RequestRejected, bool] | None = None
+        self._trickled = 0  # bytes of reads that continued an unfinished head
+        self._discarded = 0  # bytes read after the proxy began to close
         self._reset_message()
 
     def _reset_message(self) -> None:
         self._url = b""
         self._headers: list[tuple[bytes, bytes]] = []
-        self._head_bytes = 0  # bytes read while the head was incomplete
-        self._head_size = 0  # request target plus headers as parsed
+        self._head_size = 0  # request line and headers as parsed
         self._body: list[bytes] = []
         self._body_size = 0
         self._headers_done = False
         self._rejection: RequestRejected | None = None
+
+    @property
+    def client_ip(self) -> str:
+        return self._client_ip
 
     # -- asyncio.Protocol -------------------------------------------------------------------
 
@@ -94,17 +133,68 @@ class ClientConnection(ClientBase, asyncio.Protocol):
             )
             return
         listener.connections.add(self)
+        self.transport.set_write_buffer_limits(high=WRITE_HIGH_WATER, low=WRITE_LOW_WATER)
         self.deadline = listener.clock() + self._limits.idle_timeout_s
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._listener.connections.discard(self)
+        producer, self._producer = self._producer, None
+        if producer is not None:
+            producer.cancel()  # the answer it was streaming has nobody to go to
+
+    def eof_received(self) -> bool:
+        return False  # the client is done sending: close (after what is being written)
+
+    def pause_writing(self) -> None:
+        """The transport's buffer passed its high-water mark: the client is behind."""
+        self._write_blocked = True
+        self.deadline = self._listener.clock() + self._limits.send_timeout_s
+        if self._producer is not None:
+            self._producer.pause()
+        self._update_reading()
+
+    def resume_writing(self) -> None:
+        self._write_blocked = False
+        limits = self._limits
+        self.deadline = self._listener.clock() + (
+            limits.request_timeout_s if self.reading else limits.idle_timeout_s
+        )
+        if self._producer is not None:
+            self._producer.resume()
+        self._update_reading()
+        if self._queue and not self.busy and not self.closed:
+            self._dispatch_next()
+
+    def _update_reading(self) -> None:
+        """Read the client only while its answers are being taken and few requests wait."""
+        if self.closed or self.transport is None:
+            return
+        wait = (
+            self._write_blocked
+            or self._refusal is not None
+            or len(self._queue) >= _MAX_QUEUED
+            or self._queued_bytes >= _MAX_QUEUED_BYTES
+        )
+        if wait and not self._read_paused:
+            self.transport.pause_reading()
+            self._read_paused = True
+        elif not wait and self._read_paused:
+            self.transport.resume_reading()
+            self._read_paused = False
 
     def slow_data_received(self, data: bytes) -> None:
-        if self.closed or self._refusal is not None:
+        if self.closed:
+            # Closing: read only to see the client's close, and not for long (a client that
+            # keeps sending after a refusal is reset rather than read for the close timeout).
+            self._discarded += len(data)
+            if self._discarded > _MAX_DISCARDED_BYTES:
+                self.abort_response()
             return
-        if not self._headers_done:
-            self._head_bytes += len(data)
+        if self._refusal is not None:
+            return
+        if self.reading and not self._headers_done:
+            self._trickled += len(data)  # this read continues a head not parsed to its end
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -115,33 +205,41 @@ class ClientConnection(ClientBase, asyncio.Protocol):
             method_known = not isinstance(exc, httptools.HttpParserInvalidMethodError)
             self._reject_and_close(rejection, method_known=method_known)
             return
-        if not self._headers_done and self._head_bytes > self._limits.max_header_bytes:
-            self._reject_and_close(
-                TooLarge(
-                    f"request line and headers over {self._limits.max_header_bytes} bytes",
-                    status=431,
-                )
-            )
+        # A head that trickles in is bounded before it completes: httptools keeps a header
+        # it has not finished in memory, so the bytes that went into it are counted too.
+        unfinished = self.reading and not self._headers_done
+        if unfinished and max(self._head_size, self._trickled) > self._limits.max_header_bytes:
+            self._reject_and_close(self._head_too_large())
+
+    def _head_too_large(self) -> TooLarge:
+        return TooLarge(
+            f"request line and headers over {self._limits.max_header_bytes} bytes", status=431
+        )
 
     # -- httptools callbacks ----------------------------------------------------------------
 
     def on_message_begin(self) -> None:
         self._reset_message()
+        self._trickled = 0
         self.reading = True
         self.deadline = self._listener.clock() + self._limits.request_timeout_s
 
     def on_url(self, url: bytes) -> None:
         self._url += url
         self._head_size += len(url)
+        if self._head_size > self._limits.max_header_bytes:
+            self._rejection = self._head_too_large()
+            raise self._rejection
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        # The exact size, for heads that arrive whole in one read (checked after each read
-        # too, for a head that trickles in and has not been parsed to the end yet).
+        if self._headers_done:
+            # A chunked body's trailer: never merged into the headers that were checked and
+            # forwarded (the body is forwarded with a Content-Length, without trailers).
+            self._count_body(len(name) + len(value))
+            return
         self._head_size += len(name) + len(value) + 4
         if self._head_size > self._limits.max_header_bytes:
-            self._rejection = TooLarge(
-                f"request line and headers over {self._limits.max_header_bytes} bytes", status=431
-            )
+            self._rejection = self._head_too_large()
             raise self._rejection
         if len(self._headers) >= self._limits.max_headers:
             self._rejection = TooLarge(f"more than {self._limits.max_headers} headers", status=431)
@@ -150,33 +248,66 @@ class ClientConnection(ClientBase, asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self._headers_done = True
-        method = self._parser.get_method()
+        try:
+            self._check_head()
+        except RequestRejected as exc:
+            self._rejection = exc
+            raise
+
+    def _check_head(self) -> None:
+        parser = self._parser
+        method = parser.get_method()
+        self._head_size += len(method) + 12  # " ", " HTTP/1.1", CRLF
+        if self._head_size > self._limits.max_header_bytes:
+            raise self._head_too_large()
         if method == b"CONNECT":
-            self._rejection = MethodNotAllowed(
+            raise MethodNotAllowed(
                 "CONNECT is not supported: this is a reverse proxy", method="CONNECT"
             )
-            raise self._rejection
-        if self._parser.should_upgrade():
-            self._rejection = BadRequest("protocol upgrades are not supported")
-            raise self._rejection
+        if parser.should_upgrade():
+            raise BadRequest("protocol upgrades are not supported")
+        http11 = parser.get_http_version() != "1.0"
+        codings = [v for n, v in self._headers if n == b"transfer-encoding"]
+        if codings:
+            _check_transfer_coding(codings, http11=http11)
         for name, value in self._headers:
             too_long = value.isdigit() and int(value) > self._limits.max_body_bytes
             if name == b"content-length" and too_long:
-                self._rejection = TooLarge(
+                raise TooLarge(
                     f"body over {self._limits.max_body_bytes} bytes",
                     max_body_bytes=self._limits.max_body_bytes,
                 )
-                raise self._rejection
+        expectations = [v.strip().lower() for n, v in self._headers if n == b"expect"]
+        if expectations and http11:  # RFC 9110 10.1.1: an HTTP/1.0 request's is ignored
+            self._answer_expectation(expectations, chunked=bool(codings))
+
+    def _answer_expectation(self, expectations: list[bytes], *, chunked: bool) -> None:
+        """`Expect: 100-continue` is answered here (the whole body is read before anything
+        is forwarded, so no node ever sees the expectation); any other is refused (417)."""
+        if any(value != b"100-continue" for value in expectations):
+            raise ExpectationFailed(
+                "only the expectation 100-continue is supported",
+                expect=b", ".join(expectations).decode("latin-1"),
+            )
+        length = next((v for n, v in self._headers if n == b"content-length"), b"0")
+        has_body = chunked or (length.strip().isdigit() and int(length) > 0)
+        # While an earlier answer is still being written, a 100 would land inside it: the
+        # client then sends its body when its own wait for the 100 ends (RFC 9110 10.1.1).
+        if has_body and not self.busy and self.transport is not None:
+            self.transport.write(CONTINUE)
 
     def on_body(self, body: bytes) -> None:
-        self._body_size += len(body)
+        self._count_body(len(body))
+        self._body.append(body)
+
+    def _count_body(self, size: int) -> None:
+        self._body_size += size
         if self._body_size > self._limits.max_body_bytes:
             self._rejection = TooLarge(
                 f"body over {self._limits.max_body_bytes} bytes",
                 max_body_bytes=self._limits.max_body_bytes,
             )
             raise self._rejection
-        self._body.append(body)
 
     def on_message_complete(self) -> None:
         self.reading = False
@@ -202,14 +333,14 @@ class ClientConnection(ClientBase, asyncio.Protocol):
             keep_alive=parser.should_keep_alive(),
             request_id=request_id or self._listener.hub.next_request_id(),
             received_at=time.perf_counter(),
+            http11=parser.get_http_version() != "1.0",
         )
         self._headers_done = False  # the rest is reset when the next message begins
-        if self.busy:
+        if self.busy or self._write_blocked:
             self._queue.append(request)
+            self._queued_bytes += len(request.body)
             self.attention = True
-            if len(self._queue) >= _MAX_QUEUED and self.transport is not None:
-                self.transport.pause_reading()
-                self._paused = True
+            self._update_reading()
             return
         self._dispatch(request)
 
@@ -229,17 +360,48 @@ class ClientConnection(ClientBase, asyncio.Protocol):
                     "proxy; send origin-form such as /stores/s/keys/k",
                     target=target[:200],
                 )
-            self._handler.reject(request, rejection, self.respond)
+            self._handler.reject(request, rejection, self)
             return
-        self._handler.handle(request, self.respond)
+        self._handler.handle(request, self)
+
+    def _dispatch_next(self) -> None:
+        request = self._queue.popleft()
+        self._queued_bytes = max(self._queued_bytes - len(request.body), 0) if self._queue else 0
+        self.attention = bool(self._queue) or self._refusal is not None
+        self._update_reading()
+        self._dispatch(request)
 
     def respond(self, message: bytes, keep_alive: bool) -> None:
-        """Called once per dispatched request, by the handler or its exchange."""
+        """The whole answer, or the last bytes of a streamed one; once per dispatched
+        request, by the handler or its exchange."""
+        self._producer = None
         if self.closed or self.transport is None:
             return
-        self.transport.write(message)
+        if message:
+            self.transport.write(message)
         self.busy = False
         self.after_fast_response(keep_alive)
+
+    def send_part(self, data: bytes, producer: Producer) -> None:
+        """Part of an answer that goes on; `producer` pauses while the client is behind."""
+        if self.closed or self.transport is None:
+            return
+        self._producer = producer
+        if self._write_blocked:
+            producer.pause()
+        self.transport.write(data)
+
+    def abort_response(self) -> None:
+        """An answer already begun cannot be completed: the client must not mistake what it
+        got for a whole answer, so the connection is reset, not closed cleanly."""
+        producer, self._producer = self._producer, None
+        if producer is not None:
+            producer.cancel()  # a node still streaming to it stops (and its connection closes)
+        self.busy = False
+        self.closed = True
+        if self.transport is not None:
+            _reset_on_close(self.transport)
+            self.transport.abort()
 
     def after_fast_response(self, keep_alive: bool) -> None:
         """After a response is written (by respond, or by the C path when attention is set):
@@ -248,13 +410,10 @@ class ClientConnection(ClientBase, asyncio.Protocol):
             self._close()
             return
         if self._queue:
-            refusing = self._refusal is not None  # then nothing more is read
-            if self._paused and not refusing and len(self._queue) < _MAX_QUEUED and self.transport:
-                self.transport.resume_reading()
-                self._paused = False
-            request = self._queue.popleft()
-            self.attention = bool(self._queue) or refusing
-            self._dispatch(request)
+            if self._write_blocked:
+                self.attention = True  # resume_writing serves the next one
+                return
+            self._dispatch_next()
             return
         if self._refusal is not None:
             self._respond_and_close(*self._refusal)
@@ -271,14 +430,12 @@ class ClientConnection(ClientBase, asyncio.Protocol):
         # method 0, DELETE, so only a whole "HEAD" counts).
         head_only = bool(method_known and self.reading) and self._parser.get_method() == b"HEAD"
         self.reading = False
-        if not self.busy:
+        if not self.busy and not self._queue:
             self._respond_and_close(rejection, head_only)
             return
         self._refusal = (rejection, head_only)
         self.attention = True  # after_fast_response must see the answers before it end
-        if self.transport is not None and not self._paused:
-            self.transport.pause_reading()
-            self._paused = True
+        self._update_reading()
 
     def _respond_and_close(self, rejection: RequestRejected, head_only: bool) -> None:
         self._refuse_and_close(rejection.status, rejection.payload(), head_only=head_only)
@@ -293,6 +450,12 @@ class ClientConnection(ClientBase, asyncio.Protocol):
 
     def expire(self, now: float) -> None:
         """The sweeper found this connection past its deadline."""
+        if self.closed or self._write_blocked:
+            # A closing connection that has not flushed in time, or a client that took none
+            # of its answer for the send timeout: reset, so the socket and what the kernel
+            # still holds for it are released now.
+            self.abort_response()
+            return
         if self.busy:
             return  # waiting on a node: the upstream timeout bounds it
         if self.reading:
@@ -313,10 +476,47 @@ class ClientConnection(ClientBase, asyncio.Protocol):
             self._close()
 
     def _close(self) -> None:
+        """Close after what was written is flushed: FIN after the last answer, then wait for
+        the client to close its side (read and discarded), at most the close timeout; it
+        counts as a connection until its socket is gone (connection_lost)."""
+        if self.closed:
+            return
         self.closed = True
-        self._listener.connections.discard(self)
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.close()
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        if self not in self._listener.connections:
+            transport.close()  # refused before it was counted: nothing to wait for
+            return
+        self.deadline = self._listener.clock() + self._limits.close_timeout_s
+        if transport.can_write_eof():
+            transport.write_eof()
+            if self._read_paused:
+                transport.resume_reading()  # to see the client's close
+                self._read_paused = False
+        else:
+            transport.close()
+
+
+def _reset_on_close(transport: asyncio.Transport) -> None:
+    """Make the close a reset (SO_LINGER 0): a plain close leaves what the client has not
+    read in the kernel's send queue, up to megabytes per socket, until the client reads it."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
+
+
+def _check_transfer_coding(codings: list[bytes], *, http11: bool) -> None:
+    """Only `chunked` alone is a request transfer coding the proxy reads (RFC 9112 6.1)."""
+    if not http11:
+        raise BadRequest("Transfer-Encoding in an HTTP/1.0 request")
+    tokens = [t.strip().lower() for value in codings for t in value.split(b",") if t.strip()]
+    if tokens != [b"chunked"]:
+        raise UnsupportedCoding(
+            "only the transfer coding chunked (alone) is supported",
+            transfer_encoding=b", ".join(codings).decode("latin-1"),
+        )
 
 
 def _parse_error(exc: httptools.HttpParserError) -> RequestRejected:

@@ -131,6 +131,8 @@ class Proxy:
                 request_timeout_s=settings.request_timeout_ms / 1000,
                 idle_timeout_s=settings.idle_timeout_ms / 1000,
                 max_connections=settings.max_connections,
+                send_timeout_s=settings.send_timeout_ms / 1000,
+                close_timeout_s=settings.close_timeout_ms / 1000,
             ),
             self.hub,
         )

@@ -38,6 +38,8 @@ class ProxyMetrics:
     node_failures: dict[tuple[str, str], int] = field(default_factory=dict)  # (node, kind)
     failovers: int = 0
     resent_after_kept_close: int = 0
+    streamed: int = 0  # answers longer than the buffer, passed on as they arrived
+    cut_short: int = 0  # streamed answers whose node failed midway (client connection reset)
     retry_budget_exhausted: int = 0
     no_replica: dict[str, int] = field(default_factory=dict)  # store
     misdirected: dict[str, int] = field(default_factory=dict)  # node
@@ -155,6 +157,16 @@ class MetricsCollector(Collector):
             "Requests resent on a new connection to the same node after it closed a kept-alive "
             "connection before answering (keep-alive timeout race; the node was not ejected)",
             value=m.resent_after_kept_close,
+        )
+        yield CounterMetricFamily(
+            "kroute_proxy_streamed_answers",
+            "Answers longer than the proxy's buffer, streamed to the client as they arrived",
+            value=m.streamed,
+        )
+        yield CounterMetricFamily(
+            "kroute_proxy_answers_cut_short",
+            "Streamed answers whose node failed midway: the client's connection was reset",
+            value=m.cut_short,
         )
         yield CounterMetricFamily(
             "kroute_proxy_retry_budget_exhausted",

@@ -183,6 +183,20 @@ class ProxySettings(EnvSettings):
     idle_timeout_ms: int = Field(
         default=30_000, ge=10, le=3_600_000, description="Idle keep-alive client connections."
     )
+    send_timeout_ms: int = Field(
+        default=30_000,
+        ge=10,
+        le=3_600_000,
+        description="A client that takes none of its answer for this long is disconnected "
+        "(reading it and its node connection pause meanwhile: back-pressure).",
+    )
+    close_timeout_ms: int = Field(
+        default=5_000,
+        ge=1,
+        le=600_000,
+        description="A connection the proxy closes may flush what it was sent for this long; "
+        "then it is reset. It counts against KROUTE_MAX_CONNECTIONS until its socket is gone.",
+    )
     max_header_bytes: int = Field(
         default=16_384, ge=256, le=1_048_576, description="Request line plus headers, bytes."
     )
@@ -191,7 +205,11 @@ class ProxySettings(EnvSettings):
         default=1_048_576, ge=0, le=1 << 30, description="Request body (413 beyond)."
     )
     max_response_bytes: int = Field(
-        default=16_777_216, ge=1024, le=1 << 31, description="A node's response (502 beyond)."
+        default=16_777_216,
+        ge=1024,
+        le=1 << 31,
+        description="A node's response body (502 beyond, or the answer is cut short if it "
+        "was already streaming).",
     )
     max_connections: int = Field(
         default=10_000, ge=1, le=1_000_000, description="Client connections held at once."

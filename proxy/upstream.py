@@ -1,18 +1,36 @@
 """Pooled keep-alive HTTP/1.1 connections to nodes: the forwarding half of the hot path.
 
-Measured here (DESIGN.md): forwarding through httpx.AsyncClient tops out under 1,000 req/s on
-one core, while asyncio Protocols with httptools parsing and a hand-written pool reach ~60,000.
-So this module speaks HTTP/1.1 to nodes itself, callback style (no task or future per request):
-`UpstreamPool.send(origin, request_bytes, on_done)` calls `on_done(response, None)` or
-`on_done(None, UpstreamFailure)` exactly once.
+Measured here: forwarding through httpx.AsyncClient tops out under 1,000 req/s on one core,
+while asyncio Protocols with httptools parsing and a hand-written pool reach ~60,000 (see
+docs/ and benchmarks/RESULTS.md). So this module speaks HTTP/1.1 to nodes itself, callback
+style (no task or future per request): `UpstreamPool.send(origin, request, sink)` drives one
+`ResponseSink` (the exchange) through its answer.
 
-One request at a time per connection (no upstream pipelining); a connection goes back to the
-idle list only when its response was complete and both sides allow keep-alive. A kept
-connection the node closes before any byte of the answer fails with UpstreamClosedKept (the
-node's keep-alive timeout racing the request; the caller resends on a new connection), and the
-pool closes connections idle for `idle_timeout_s` itself, before a node's keep-alive timeout
-(uvicorn's is 5 s) makes that race likely. Response deadlines and idle limits are kept by one
-sweeper per pool, not a timer per request.
+What a sink is told, in order:
+- `on_response(connection, head, body, complete)` once, for the final answer. Interim 1xx
+  answers (100 Continue, 103 Early Hints) are absorbed: the final answer is always the one read
+  after them. When the whole answer arrived within `STREAM_AFTER_BYTES` of body, `complete` is
+  true and the connection is already back in the pool (or closed); otherwise the sink either
+  calls `connection.stream()` (the rest of the body follows through `on_body`, then `on_end`)
+  or `connection.abandon()` (the connection is closed, e.g. to fail over on a 421).
+- `on_failure(failure)` at most once, instead of or (while streaming) after `on_response`;
+  or `on_cancelled()` when the client went away while the answer was streaming.
+
+Framing is checked, not trusted: a connection goes back to the pool only when its answer ended
+cleanly (content-length or chunked framing, keep-alive on both sides) with no byte after it; a
+body that ends when the node closes (HTTP/1.0, or no framing) is forwarded whole and the
+connection is not reused; a 101 to a request that asked for no upgrade, a head over
+`MAX_HEAD_BYTES`, a body over `max_response_bytes` or anything unparsable is an
+UpstreamProtocol failure and the connection is closed. The head limit counts the head only.
+
+One request at a time per connection (no upstream pipelining). A kept connection the node
+closes before any byte of the answer fails with UpstreamClosedKept (the node's keep-alive
+timeout racing the request; the caller resends on a new connection), and the pool closes
+connections idle for `idle_timeout_s` itself, before a node's keep-alive timeout (uvicorn's
+is 5 s) makes that race likely. Deadlines are kept by one sweeper per pool, not a timer per
+request: the whole answer must arrive within the response timeout, except that a streamed
+body only has to keep moving (each chunk renews it) and a stream paused because the client
+is not reading has no upstream deadline (the client's send timeout bounds it).
 
 `UpstreamConnection` extends the C half from `proxy._hotpath`: for requests the C path
 forwarded, it answers the client itself when the response is whole and simple, and otherwise
@@ -22,10 +40,11 @@ hands the request to a Python exchange (`adopt`) and continues here.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import cast
+from typing import Protocol, cast
 
 import httptools
 
@@ -41,16 +60,43 @@ from proxy.errors import (
 from proxy.http import filter_response_head
 
 Origin = tuple[str, int]
-_MAX_HEAD_BYTES = 65_536
-Done = Callable[["UpstreamResponse | None", "UpstreamFailure | None"], None]
-Adopt = Callable[["UpstreamConnection"], Done]
+MAX_HEAD_BYTES = 65_536  # a node's status line and headers (the body is not counted)
+# Answers up to this much body are buffered whole (so a failed attempt can still fail over
+# and a small answer is written in one piece); longer ones are streamed to the client.
+STREAM_AFTER_BYTES = 65_536
+_CONTENT_LENGTH = re.compile(rb"^content-length[ \t]*:[ \t]*(\d+)[ \t]*\r?$", re.I | re.M)
+_TRANSFER_ENCODING = re.compile(rb"^transfer-encoding[ \t]*:([^\r\n]*)", re.I | re.M)
 
 
 @dataclass(slots=True)
-class UpstreamResponse:
+class ResponseHead:
     status: int
-    head_lines: bytes  # header lines to pass on (hop-by-hop and provenance removed), CRLF each
-    body: bytes
+    lines: bytes  # header lines to pass on (hop-by-hop, framing and provenance removed)
+    content_length: int | None  # as the node framed it; None for chunked or close-delimited
+
+
+class ResponseSink(Protocol):
+    """What receives one answer (the exchange); see the module docstring for the order."""
+
+    def on_response(
+        self, connection: UpstreamConnection, head: ResponseHead, body: bytes, complete: bool
+    ) -> None: ...
+
+    def on_body(self, data: bytes) -> None: ...
+
+    def on_end(self) -> None: ...
+
+    def on_failure(self, failure: UpstreamFailure) -> None: ...
+
+    def on_cancelled(self) -> None: ...
+
+
+Adopt = Callable[["UpstreamConnection"], ResponseSink]
+
+
+class _HeadResponseEnd(Exception):
+    """Raised from on_headers_complete to end an answer to HEAD at its head: httptools cannot
+    be told that such an answer has no body (llhttp's skip-body return is not exposed)."""
 
 
 class UpstreamConnection(UpstreamBase, asyncio.Protocol):
@@ -66,12 +112,23 @@ class UpstreamConnection(UpstreamBase, asyncio.Protocol):
         self.hub = pool.hub
         self.idle = pool.idle_list(origin)
         self._parser = httptools.HttpResponseParser(self)
-        self._on_done: Done | None = None
-        self._raw_head = b""  # bytes received until the headers are complete
-        self._head_lines = b""
+        self._sink: ResponseSink | None = None
+        self._reset_answer()
+
+    def _reset_answer(self) -> None:
+        self._head_request = False  # the request was HEAD: the answer ends at its head
+        self._raw_head = b""  # bytes of the current head until it is complete
         self._in_head = True
+        self._interim = False  # the message being parsed is a 1xx
+        self._head: ResponseHead | None = None
         self._body: list[bytes] = []
-        self._size = 0
+        self._size = 0  # body bytes received
+        self._streaming = False
+        self._until_close = False  # the body ends when the node closes
+        self._complete = False
+        self._extra = False  # bytes arrived after the answer ended
+        self._keep_alive = False  # both sides allow reuse, as the parser read the answer
+        self._paused = False
 
     # -- asyncio.Protocol -------------------------------------------------------------------
 
@@ -81,31 +138,55 @@ class UpstreamConnection(UpstreamBase, asyncio.Protocol):
 
     def adopt(self) -> None:
         """The C path forwarded the request but cannot finish it: a Python exchange takes it."""
-        self._on_done = self._pool.adopt(self)
+        head_request = bool(self.fast_head_only)
+        self._sink = self._pool.adopt(self)
+        self._head_request = head_request
 
     def slow_data_received(self, data: bytes) -> None:
-        if self._on_done is None:
+        if self._sink is None:
             self._close()  # bytes nobody asked for: the connection cannot be trusted any more
             return
         if self._in_head:
             self._raw_head += data
-            if len(self._raw_head) > _MAX_HEAD_BYTES:
-                self._fail(UpstreamProtocol(f"response head over {_MAX_HEAD_BYTES} bytes"))
-                return
         try:
             self._parser.feed_data(data)
+        except _HeadResponseEnd:
+            self._parser = httptools.HttpResponseParser(self)  # it stopped mid-message
+            self._complete = True
+        except httptools.HttpParserUpgrade:
+            self._fail(UpstreamProtocol("101 Switching Protocols to a request without Upgrade"))
+            return
         except httptools.HttpParserError as exc:
             context = exc.__context__
-            self._fail(
-                context
-                if isinstance(context, UpstreamProtocol)
-                else UpstreamProtocol(f"unparsable response: {exc}")
-            )
+            if isinstance(context, _HeadResponseEnd):
+                self._parser = httptools.HttpResponseParser(self)
+                self._complete = True
+            elif self._complete:
+                self._extra = True  # the answer was whole; what follows it is not reused
+            else:
+                self._fail(
+                    context
+                    if isinstance(context, UpstreamFailure)
+                    else UpstreamProtocol(f"unparsable response: {exc}")
+                )
+                return
+        if self._sink is None:
+            return  # failed or abandoned inside a callback
+        if self._in_head and len(self._raw_head) > MAX_HEAD_BYTES:
+            self._fail(UpstreamProtocol(f"response head over {MAX_HEAD_BYTES} bytes"))
+        elif self._complete:
+            self._end_answer()
+        elif not self._streaming and self._head is not None and self._size > STREAM_AFTER_BYTES:
+            self._offer(complete=False)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._pool.forget(self)
         if not self.waiting:
+            return
+        if exc is None and self._until_close and self._head is not None:
+            self._complete = True  # a close-delimited body ends here (a reset is a failure)
+            self._end_answer()
             return
         reason = f"connection closed by the node ({exc or 'EOF'})"
         if self.idle_since and self._in_head and not self._raw_head:
@@ -113,52 +194,143 @@ class UpstreamConnection(UpstreamBase, asyncio.Protocol):
         else:
             self._fail(UpstreamReset(reason))
 
+    # -- back-pressure (the client's connection calls these) ---------------------------------
+
+    def pause(self) -> None:
+        """The client cannot take more: stop reading the node (and its deadline with it)."""
+        if not self._paused and not self.closed:
+            self._paused = True
+            self.transport.pause_reading()
+            self.deadline = float("inf")
+
+    def resume(self) -> None:
+        if self._paused and not self.closed:
+            self._paused = False
+            self.transport.resume_reading()
+            self.deadline = time.monotonic() + self._pool.response_timeout_s
+
     # -- httptools callbacks ----------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        if self._complete:
+            self._extra = True  # a second answer to one request: never reuse this connection
 
     def on_headers_complete(self) -> None:
         # Header names and values are not needed one by one (that costs a Python call per
         # header): the raw head is filtered in one pass instead.
         raw = self._raw_head
         end = raw.find(b"\r\n\r\n")
-        start = raw.find(b"\r\n")
         if end < 0:
             raise UpstreamProtocol("response head not delimited by CRLF")
-        self._head_lines = filter_response_head(raw[start + 2 : end + 2])
+        if end + 4 > MAX_HEAD_BYTES:
+            raise UpstreamProtocol(f"response head over {MAX_HEAD_BYTES} bytes")
+        status = self._parser.get_status_code()
+        if status == 101:
+            raise UpstreamProtocol("101 Switching Protocols to a request without Upgrade")
+        if status < 200:
+            self._interim = True  # absorbed; the final answer's head follows it
+            self._raw_head = raw[end + 4 :]
+            return
+        lines = raw[raw.find(b"\r\n") + 2 : end + 2]
+        length = _content_length(lines)
+        self._head = ResponseHead(status, filter_response_head(lines), length)
         self._in_head = False
         self._raw_head = b""
+        if self._head_request:
+            self._extra = end + 4 < len(raw)
+            self._keep_alive = self._parser.should_keep_alive()
+            raise _HeadResponseEnd
+        no_body = status in (204, 304)
+        if length is None and not no_body and not _chunked(lines):
+            self._until_close = True
+        if length is not None and length > self._pool.max_response_bytes:
+            raise UpstreamProtocol(f"response over {self._pool.max_response_bytes} bytes")
 
     def on_body(self, body: bytes) -> None:
         self._size += len(body)
         if self._size > self._pool.max_response_bytes:
             raise UpstreamProtocol(f"response over {self._pool.max_response_bytes} bytes")
-        self._body.append(body)
+        if self._streaming:
+            self.deadline = time.monotonic() + self._pool.response_timeout_s
+            sink = self._sink
+            if sink is not None:
+                sink.on_body(body)
+        else:
+            self._body.append(body)
 
     def on_message_complete(self) -> None:
-        on_done = self._on_done
-        self._on_done = None
+        if self._interim:
+            self._interim = False
+            return
+        self._complete = True
+        self._keep_alive = self._parser.should_keep_alive()
+
+    # -- answers ----------------------------------------------------------------------------
+
+    def _offer(self, *, complete: bool) -> None:
+        """Give the sink the final answer's head and what arrived of its body."""
+        sink, head = self._sink, self._head
+        assert sink is not None
+        assert head is not None
+        body = b"".join(self._body)
+        self._body = []
+        if complete:
+            self._retire()
+        sink.on_response(self, head, body, complete)
+
+    def stream(self) -> None:
+        """The sink took the partial answer: pass the rest of the body as it comes."""
+        self._streaming = True
+        self.deadline = time.monotonic() + self._pool.response_timeout_s
+
+    def cancel(self) -> None:
+        """The client of the answer streaming here is gone: close, tell the sink."""
+        sink = self._sink
+        self.abandon()
+        if sink is not None:
+            sink.on_cancelled()
+
+    def abandon(self) -> None:
+        """The sink does not want the rest of this answer: close without reading it."""
+        self._sink = None
         self.busy = False
-        response = UpstreamResponse(
-            self._parser.get_status_code(), self._head_lines, b"".join(self._body)
+        self._close()
+
+    def _end_answer(self) -> None:
+        if not self._streaming:
+            self._offer(complete=True)
+            return
+        sink = self._sink
+        self._retire()
+        if sink is not None:
+            sink.on_end()
+
+    def _retire(self) -> None:
+        """The answer ended: back to the pool if it ended cleanly, else closed."""
+        reusable = (
+            self._keep_alive and not self._until_close and not self._extra and not self.closed
         )
-        reusable = self._parser.should_keep_alive()
-        self._head_lines, self._body, self._size, self._in_head = b"", [], 0, True
+        if self._paused and not self.closed:
+            self.transport.resume_reading()  # paused for a client that is gone or done
+        self._sink = None
+        self.busy = False
+        self._reset_answer()
         if reusable:
             self._pool.release(self)
         else:
             self._close()
-        if on_done is not None:
-            on_done(response, None)
 
     # -- the pool's side --------------------------------------------------------------------
 
     @property
     def waiting(self) -> bool:
         """A request (the Python path's or the C path's) awaits its response here."""
-        return self._on_done is not None or self.fast_client is not None
+        return self._sink is not None or self.fast_client is not None
 
-    def send(self, request: bytes, on_done: Done) -> None:
+    def send(self, request: bytes, sink: ResponseSink, *, head_request: bool) -> None:
         assert self.transport is not None
-        self._on_done = on_done
+        self._sink = sink
+        self._head_request = head_request
         self.busy = True
         self.deadline = time.monotonic() + self._pool.response_timeout_s
         self.transport.write(request)
@@ -167,23 +339,34 @@ class UpstreamConnection(UpstreamBase, asyncio.Protocol):
         """The sweeper found this connection past its response deadline."""
         if self.waiting:
             timeout_ms = self._pool.response_timeout_s * 1000
-            self._fail(UpstreamTimeout(f"no whole response within {timeout_ms:.0f} ms"))
+            what = "no body bytes for" if self._streaming else "no whole response within"
+            self._fail(UpstreamTimeout(f"{what} {timeout_ms:.0f} ms"))
 
     def _fail(self, failure: UpstreamFailure) -> None:
         if self.fast_client is not None:
             self.adopt()  # the exchange the C path never built takes the failure (and fails over)
-        on_done = self._on_done
-        self._on_done = None
+        sink = self._sink
+        self._sink = None
         self.busy = False
         self._close()
-        if on_done is not None:
-            on_done(None, failure)
+        if sink is not None:
+            sink.on_failure(failure)
 
     def _close(self) -> None:
         self.closed = True
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
         self._pool.forget(self)
+
+
+def _content_length(lines: bytes) -> int | None:
+    found = _CONTENT_LENGTH.search(lines)
+    return None if found is None else int(found.group(1))
+
+
+def _chunked(lines: bytes) -> bool:
+    codings = b",".join(_TRANSFER_ENCODING.findall(lines))
+    return codings.rsplit(b",", 1)[-1].strip().lower() == b"chunked"
 
 
 class UpstreamPool:
@@ -235,33 +418,43 @@ class UpstreamPool:
             while idle and idle[0].idle_since < idle_before:
                 idle.pop(0)._close()
 
-    def send(self, origin: Origin, request: bytes, on_done: Done, *, fresh: bool = False) -> None:
+    def send(
+        self,
+        origin: Origin,
+        request: bytes,
+        sink: ResponseSink,
+        *,
+        head_request: bool = False,
+        fresh: bool = False,
+    ) -> None:
         """Over an idle connection to origin, or a new one (always, with `fresh`)."""
         idle = None if fresh else self._idle.get(origin)
         while idle:
             connection = idle.pop()
             if not connection.closed and not connection.transport.is_closing():
-                connection.send(request, on_done)
+                connection.send(request, sink, head_request=head_request)
                 return
-        task = self.loop.create_task(self._connect_and_send(origin, request, on_done))
+        task = self.loop.create_task(self._connect_and_send(origin, request, sink, head_request))
         self._connecting.add(task)
         task.add_done_callback(self._connecting.discard)
 
-    async def _connect_and_send(self, origin: Origin, request: bytes, on_done: Done) -> None:
+    async def _connect_and_send(
+        self, origin: Origin, request: bytes, sink: ResponseSink, head_request: bool
+    ) -> None:
         try:
             async with asyncio.timeout(self.connect_timeout_s):
                 _, connection = await self.loop.create_connection(
                     lambda: UpstreamConnection(self, origin), *origin
                 )
         except TimeoutError:
-            on_done(None, UpstreamRefused(f"connect timed out after {self.connect_timeout_s}s"))
+            sink.on_failure(UpstreamRefused(f"connect timed out after {self.connect_timeout_s}s"))
             return
         except OSError as exc:
-            on_done(None, UpstreamRefused(f"connect failed: {exc.strerror or exc}"))
+            sink.on_failure(UpstreamRefused(f"connect failed: {exc.strerror or exc}"))
             return
         self.opened += 1
         self._open.add(connection)
-        connection.send(request, on_done)
+        connection.send(request, sink, head_request=head_request)
 
     def release(self, connection: UpstreamConnection) -> None:
         idle = self.idle_list(connection.origin)
@@ -305,5 +498,5 @@ class UpstreamPool:
             connection._fail(UpstreamReset("proxy shutting down"))
 
 
-def _no_adopter(connection: UpstreamConnection) -> Done:
+def _no_adopter(connection: UpstreamConnection) -> ResponseSink:
     raise RuntimeError("the C path forwarded a request but no exchange can adopt it")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.choice import LagBudget, Replica, choose_replicas
+from proxy.choice import LagBudget, Replica, choose_replicas, rotated
 
 NOW = 1_000_000
 
@@ -128,14 +128,39 @@ def test_an_ejected_replica_is_the_last_resort_not_refused():
     assert [r.node_id for r in both.candidates] == ["c", "b"]
 
 
-@settings(max_examples=300)
-@given(replica_sets(), budgets, st.integers(0, 100))
-def test_spreading_rotates_the_same_candidates(replicas, budget, counter):
-    ordered = choose_replicas(replicas, budget, now_ms=NOW)
-    spread = choose_replicas(replicas, budget, now_ms=NOW, spread=True, counter=counter)
-    assert sorted(spread.candidates, key=lambda r: r.node_id) == sorted(
-        ordered.candidates, key=lambda r: r.node_id
+@settings(max_examples=500)
+@given(replica_sets(), budgets, ejections, st.integers(0, 100))
+def test_spreading_rotates_in_sync_replicas_only_and_keeps_ejected_ones_last(
+    replicas, budget, ejected, counter
+):
+    choice = choose_replicas(replicas, budget, now_ms=NOW, ejected=ejected)
+    spread = rotated(choice.candidates, choice.spread_width, counter)
+    assert sorted(spread, key=lambda r: r.node_id) == sorted(
+        choice.candidates, key=lambda r: r.node_id
     )
+    width = choice.spread_width
+    assert spread[width:] == choice.candidates[width:]  # restoring and ejected stay behind
+    was_ejected = [replica.node_id in ejected for replica in spread]
+    assert was_ejected == sorted(was_ejected)
+    for replica in spread[:width] if width > 1 else ():
+        assert replica.node_id not in ejected
+        assert replica.lag == 0 or replica.caught_up_at_ms is not None  # in sync
+    if width > 1:  # every one of them gets the first read in turn
+        firsts = {rotated(choice.candidates, width, n)[0] for n in range(width)}
+        assert firsts == set(choice.candidates[:width])
+
+
+def test_spreading_never_puts_an_ejected_replica_first():
+    replicas = (
+        replica("a", role="active"),
+        replica("b"),
+        replica("c"),
+    )
+    choice = choose_replicas(replicas, LagBudget(), now_ms=NOW, ejected=frozenset({"c"}))
+    assert choice.spread_width == 2
+    firsts = [rotated(choice.candidates, choice.spread_width, n)[0].node_id for n in range(6)]
+    assert set(firsts) == {"a", "b"}
+    assert [r.node_id for r in rotated(choice.candidates, 2, 1)] == ["b", "a", "c"]
 
 
 def replica(node_id, *, role="standby", lag=0, caught_up_ago=0, reported_ago=0, alive=True):

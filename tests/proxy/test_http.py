@@ -5,7 +5,18 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.http import filter_response_head, request_head, response_bytes
+from proxy.http import (
+    BY_LENGTH,
+    CHUNKED,
+    LAST_CHUNK,
+    NO_BODY,
+    UNTIL_CLOSE,
+    body_framing,
+    chunk,
+    filter_response_head,
+    request_head,
+    response_bytes,
+)
 from proxy.retry_budget import RetryBudget
 
 
@@ -71,3 +82,59 @@ def test_retry_budget_caps_sustained_retries_and_absorbs_a_burst():
     assert sum(budget.withdraw() for _ in range(50)) == 10  # 20% of 100 requests, capped
     idle = RetryBudget(percent=0, min_per_s=1000, burst=5)
     assert sum(idle.withdraw() for _ in range(5)) == 5
+
+
+statuses = st.sampled_from([100, 103, 200, 201, 204, 206, 301, 304, 404, 421, 500, 503])
+
+
+@given(
+    status=statuses,
+    head_request=st.booleans(),
+    length=st.one_of(st.none(), st.integers(0, 10**9)),
+    chunked_ok=st.booleans(),
+)
+def test_answer_framing_follows_rfc_9110_and_9112(status, head_request, length, chunked_ok):
+    line, how = body_framing(
+        status, head_request=head_request, length=length, chunked_ok=chunked_ok
+    )
+    if status < 200 or status == 204:  # never a Content-Length, never a body
+        assert (line, how) == (b"", NO_BODY)
+    elif head_request or status == 304:  # the node's length describes the representation
+        assert how == NO_BODY
+        assert line == (b"" if length is None else b"content-length: %d\r\n" % length)
+    elif length is not None:
+        assert (line, how) == (b"content-length: %d\r\n" % length, BY_LENGTH)
+    elif chunked_ok:
+        assert (line, how) == (b"transfer-encoding: chunked\r\n", CHUNKED)
+    else:  # an HTTP/1.0 client reads an answer of unknown length until the close
+        assert (line, how) == (b"", UNTIL_CLOSE)
+
+
+@given(st.binary(min_size=1, max_size=5000))
+def test_a_chunk_parses_back_to_its_bytes(data):
+    import httptools  # noqa: PLC0415
+
+    class Sink:
+        body = b""
+
+        def on_body(self, part: bytes) -> None:
+            Sink.body += part
+
+    parser = httptools.HttpResponseParser(Sink())
+    parser.feed_data(
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + chunk(data) + LAST_CHUNK
+    )
+    assert Sink.body == data
+
+
+def test_expect_is_never_forwarded():
+    head = request_head(
+        "POST",
+        "/x",
+        [(b"expect", b"100-continue"), (b"content-length", b"5")],
+        client_ip="10.0.0.1",
+        request_id=b"r",
+        body_length=5,
+    )
+    assert b"expect" not in head.lower()
+    assert b"content-length: 5\r\n" in head

@@ -62,6 +62,24 @@ CASES = [
         413,
     ),
     ("websocket upgrade", GET_A + b"Connection: Upgrade\r\nUpgrade: websocket\r\n\r\n", 400),
+    # The head limit counts the request target too, and a head in one read.
+    ("target over the head limit", b"GET /" + b"a" * 60_000 + b" HTTP/1.1\r\n\r\n", 431),
+    (
+        "target over the head limit, with headers",
+        b"GET /stores/customers/keys/" + b"a" * 5000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+        431,
+    ),
+    (
+        "a transfer coding other than chunked",
+        POST + b"Transfer-Encoding: gzip, chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+        501,
+    ),
+    (
+        "transfer coding in an HTTP/1.0 request",
+        b"POST /orders HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+        400,
+    ),
+    ("an expectation other than 100-continue", POST + b"Expect: teapot\r\n\r\n", 417),
     ("invalid percent-encoding", b"GET /stores/c/keys/%FF%FE HTTP/1.1\r\nHost: x\r\n\r\n", 400),
 ]
 
@@ -152,3 +170,34 @@ def test_truncated_requests_and_idle_connections_do_not_hurt(stand_ins):
     response = stand_ins.proxy.get("/stores/customers/keys/still-fine")
     assert response.status_code == 200
     assert stand_ins.proxy.process.is_running()
+
+
+def test_chunked_trailers_never_become_headers(stand_ins):
+    raw = (
+        POST + b"X-Request-Id: from-the-head\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"5\r\nhello\r\n0\r\nX-Request-Id: from-a-trailer\r\nX-Injected: 1\r\n\r\n"
+    )
+    ((status, body),) = exchange(stand_ins, raw, wait_s=1.0)
+    assert status == 200
+    echoed = json.loads(body)
+    assert echoed["body"] == "hello"
+    headers = dict(echoed["headers"])
+    assert "x-injected" not in headers
+    assert headers["x-request-id"] == "from-the-head"
+    assert headers["content-length"] == "5"
+    assert "transfer-encoding" not in headers
+
+
+def test_expect_100_continue_is_answered_by_the_proxy_and_not_forwarded(stand_ins):
+    with socket.create_connection(("127.0.0.1", stand_ins.proxy_port), timeout=3) as sock:
+        sock.sendall(POST + b"Content-Length: 5\r\nExpect: 100-continue\r\n\r\n")
+        assert sock.recv(100) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        sock.sendall(b"hello")
+        received = b""
+        while b"\r\n\r\n" not in received or not received.endswith(b"}"):
+            received += sock.recv(65536)
+    ((status, body),) = parse_responses(received)
+    echoed = json.loads(body)
+    assert status == 200
+    assert echoed["body"] == "hello"
+    assert "expect" not in dict(echoed["headers"])

@@ -165,7 +165,8 @@ def check_one(stand_ins: StandIns, raw: bytes) -> None:
     time.sleep(0.02)  # let a backend finish logging what it got
     forwarded = stand_ins.received() - before
     if b"HEAD" in raw:  # a HEAD answer has a Content-Length but no body: not parseable alone
-        assert all(line.startswith(b"HTTP/1.1 ") for line in received.split(b"\r\n\r\n")[:1])
+        # (nothing at all: the proxy still waits for the rest of a request, e.g. b"HEAD")
+        assert not received or received.startswith(b"HTTP/1.1 "), received[:200]
         return
     answers = parse_responses(received)
     from_nodes = [a for a in answers if "x-backend" in a.headers]

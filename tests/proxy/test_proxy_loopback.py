@@ -103,8 +103,16 @@ def test_forwarded_request_is_rewritten_for_the_node(stand_ins):
 
 
 def test_unkeyed_requests_go_round_robin_to_live_nodes(stand_ins):
-    seen = {stand_ins.proxy.get(f"/anything/{i}").json()["node"] for i in range(9)}
-    assert seen == set(stand_ins.backends)
+    answers = [
+        stand_ins.proxy.get(f"/anything/{i}", headers={"x-request-id": f"u{i}"}) for i in range(9)
+    ]
+    assert {a.json()["node"] for a in answers} == set(stand_ins.backends)
+    for i, answer in enumerate(answers):  # provenance on unkeyed answers too, well formed
+        assert answer.headers["x-kroute-node"] == answer.headers["x-backend"]
+        assert answer.headers["x-request-id"] == f"u{i}"
+        assert not any(
+            name.endswith("x-request-id") and name != "x-request-id" for name in answer.headers
+        )
     posted = stand_ins.proxy.client.post(stand_ins.proxy.url + "/orders", content=b"x" * 100)
     assert posted.status_code == 200
     assert posted.json()["body"] == "x" * 100
@@ -497,4 +505,37 @@ def test_an_ejected_node_restarted_on_another_port_comes_back(stand_ins):
         stand_ins.backends[victim].restart()
         stand_ins.publish()
         replacement.shutdown()
+        time.sleep(0.3)
+
+
+@pytest.mark.parametrize("hot_path", ["true", "false"])
+def test_spreading_reads_never_tries_an_ejected_replica_first(stand_ins, hot_path):
+    """With KROUTE_SPREAD, reads rotate over the in-sync replicas that are not ejected: a
+    standby that failed stays behind the active (both the C and the Python path)."""
+    key = "spread-key"
+    _, placed = owner(stand_ins, "customers", key)
+    standby = placed.standbys[0]
+    proxy = start_proxy(
+        stand_ins.services,
+        stand_ins.redis_server.url,
+        name=f"proxy-spread-{hot_path}",
+        cluster=stand_ins.cluster.keys.cluster,
+        **{**PROXY_SETTINGS, "eject_ms": "20000", "spread": "true", "hot_path": hot_path},
+    )
+    path = f"/stores/customers/keys/{key}"
+    try:
+        spread = {proxy.get(path).headers["x-backend"] for _ in range(6)}
+        assert spread == {placed.active, standby}  # both share reads while healthy
+        stand_ins.backends[standby].stop()
+        for _ in range(2):  # the standby fails a read and is ejected (alive by heartbeat)
+            proxy.get(path)
+        assert proxy.status()["nodes"][standby]["ejected_since_ms"] is not None
+        answers = [proxy.get(path) for _ in range(12)]
+        assert [a.status_code for a in answers] == [200] * 12
+        assert {a.headers["x-backend"] for a in answers} == {placed.active}
+        assert all("x-kroute-attempts" not in a.headers for a in answers)  # never tried first
+    finally:
+        stand_ins.backends[standby].restart()
+        proxy.process.stop()
+        proxy.close()
         time.sleep(0.3)
