@@ -24,16 +24,19 @@ def run_wrk(
     path_prefix: str = "/stores/customers/keys/customer-",
     keys: int = 50_000,
     headers: tuple[str, ...] = (),
+    timeout_s: int | None = None,
 ) -> dict[str, Any]:
     """GETs of path_prefix + a random key number, one wrk thread; rps, p50/p99 ms, non-2xx.
-    `headers`: extra "name: value" lines on every request."""
+    `headers`: extra "name: value" lines on every request. `timeout_s`: wrk's --timeout (its
+    default is 2 s); answers slower than that are counted in `timeouts`, not in the latencies."""
+    timeout = ["--timeout", f"{timeout_s}s"] if timeout_s else []
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
         script.write(KEYED_SCRIPT % (path_prefix, keys - 1))
     try:
         completed = subprocess.run(
             ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--latency", "-s", script.name,
-             *(arg for header in headers for arg in ("-H", header)), url],
-            capture_output=True, text=True, timeout=seconds + 30, check=True,
+             *timeout, *(arg for header in headers for arg in ("-H", header)), url],
+            capture_output=True, text=True, timeout=seconds + 30 + (timeout_s or 0), check=True,
         )  # fmt: skip
     finally:
         Path(script.name).unlink()
@@ -42,14 +45,26 @@ def run_wrk(
 
 def parse_wrk(output: str) -> dict[str, Any]:
     def ms(text: str) -> float:
-        number, unit = re.fullmatch(r"([\d.]+)(us|ms|s)", text).groups()  # type: ignore[union-attr]
-        return float(number) * {"us": 0.001, "ms": 1.0, "s": 1000.0}[unit]
+        found = re.fullmatch(r"([\d.]+)(us|ms|s|m)", text)
+        number, unit = found.groups()  # type: ignore[union-attr]
+        return float(number) * {"us": 0.001, "ms": 1.0, "s": 1000.0, "m": 60_000.0}[unit]
+
+    def size(number: str, unit: str) -> int:  # wrk's binary units: 1.50MB is 1.5 * 2**20
+        return round(float(number) * 1024 ** "BKMGT".index(unit[0]))
 
     percentiles = dict(re.findall(r"^\s+(50|75|90|99)%\s+(\S+)", output, flags=re.MULTILINE))
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", output).group(1))  # type: ignore[union-attr]
     requests = int(re.search(r"(\d+) requests in", output).group(1))  # type: ignore[union-attr]
     errors = re.search(r"Non-2xx or 3xx responses: (\d+)", output)
     socket_errors = re.search(r"Socket errors: (.*)", output)
+    error_counts = {  # "connect 0, read 0, write 0, timeout 12"
+        kind: int(count)
+        for kind, count in re.findall(
+            r"(\w+) (\d+)", socket_errors.group(1) if socket_errors else ""
+        )
+    }
+    read = re.search(r"requests in \S+, ([\d.]+)(\w?B) read", output)
+    transfer = re.search(r"Transfer/sec:\s+([\d.]+)(\w?B)", output)
     return {
         "rps": round(rps),
         "requests": requests,
@@ -57,6 +72,10 @@ def parse_wrk(output: str) -> dict[str, Any]:
         "p99_ms": round(ms(percentiles["99"]), 3),
         "non_2xx": int(errors.group(1)) if errors else 0,
         "socket_errors": socket_errors.group(1).strip() if socket_errors else "",
+        "socket_error_count": sum(error_counts.values()),
+        "timeouts": error_counts.get("timeout", 0),
+        "bytes_read": size(*read.groups()) if read else 0,
+        "transfer_bytes_per_s": size(*transfer.groups()) if transfer else 0,
     }
 
 

@@ -12,7 +12,13 @@ a TTL, the heartbeat (the node); `store:<name>` StoreInfo (every node hosting th
 must agree); `hosting:<id>` Hosting, what a node serves (the node);
 
 `lag:<id>` hash `<store>/<partition>` -> PartitionReport (the node); `assignment` Assignment
-(the leader); `leader` the leader's id with a lease TTL; pub/sub channel `events` Event.
+(the leader); `leader` the leader's id with a lease TTL; `dead_since` hash node id -> ms when a
+leader first saw it dead (the leader); pub/sub channel `events` Event.
+
+Times are Redis time (`common.clock`): every writer and reader keeps an offset to Redis `TIME`.
+An assignment's generation only grows (the leader's write refuses one that is not greater);
+readers take the stored assignment whenever it differs from theirs in anything, never by
+comparing generations alone.
 """
 
 from __future__ import annotations
@@ -79,6 +85,12 @@ class Keys:
     @property
     def events(self) -> str:
         return f"{self.prefix}events"
+
+    @property
+    def dead_since(self) -> str:
+        """Hash node id -> when a leader first saw it dead (ms, Redis time), so the grace
+        period survives leader changes; a node's field goes when it is seen alive."""
+        return f"{self.prefix}dead_since"
 
     def node_id_of(self, key: str | bytes) -> str:
         text = key.decode() if isinstance(key, bytes) else key

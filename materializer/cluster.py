@@ -4,25 +4,34 @@
   known within the TTL, not after a consumer-group session timeout.
 - Reports: what the node serves (`hosting:<id>`) and each partition's offsets (`lag:<id>`).
 - Leadership: one node holds `leader` with a lease it renews; only the holder computes and
-  writes the assignment, and the write itself checks the lease (a Lua script), so a leader that
-  lost its lease cannot overwrite a newer leader's assignment.
-- Watching: the node re-reads `assignment` when an event arrives and on a timer, and hands a
-  newer generation to the node, which applies it.
+  writes the assignment, and the write itself checks the lease and the generation (a Lua
+  script), so a leader that lost its lease cannot overwrite a newer leader's assignment, and
+  no two different assignments ever carry one generation. The leader reads the stored
+  assignment before every computation (a new leader may have missed its predecessor's last
+  write) and keeps when it first saw each node dead in `dead_since`, so grace periods survive
+  leader changes and Redis errors.
+- Watching: the node re-reads `assignment` when an event arrives and on a timer, and hands it
+  to the node whenever it differs from the one it has (in anything, not just the generation).
+- Time: the heartbeat also reads Redis `TIME`, which keeps this process's shared clock
+  (`common.clock`) in step, so every time in the contract is Redis time.
 
 When Redis is unreachable the node keeps serving what it has; its heartbeat lapses (so proxies
-and the leader treat it as dead meanwhile) and every loop retries on its own schedule.
+and the leader treat it as dead meanwhile) and every loop retries on its own schedule. An error
+says nothing about the leader lease: the next leader step renews it if it is still ours.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 import structlog
 
-from common.clock import now_ms
+from common.clock import SHARED, SharedClock
 from common.contract import (
     Assignment,
     ContractError,
@@ -51,14 +60,33 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
 end
 return 0
 """
+# Write only while we hold the lease (fencing) and only a generation greater than the stored
+# one: two different assignments must never share a generation. A stored value that is not
+# JSON with a numeric generation cannot be compared and is overwritten.
 _WRITE_IF_LEADER = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  redis.call('SET', KEYS[2], ARGV[2])
-  redis.call('PUBLISH', KEYS[3], ARGV[3])
-  return 1
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+  return 0
 end
-return 0
+local stored = redis.call('GET', KEYS[2])
+if stored then
+  local ok, body = pcall(cjson.decode, stored)
+  if ok and type(body) == 'table' and type(body['generation']) == 'number'
+      and body['generation'] >= tonumber(ARGV[4]) then
+    return -1
+  end
+end
+redis.call('SET', KEYS[2], ARGV[2])
+redis.call('PUBLISH', KEYS[3], ARGV[3])
+return 1
 """
+
+
+class Written(enum.IntEnum):
+    """What the fenced write did (the Lua script's reply)."""
+
+    NOT_LEADER = 0
+    WRITTEN = 1
+    STALE_GENERATION = -1
 
 
 @dataclass(frozen=True)
@@ -84,12 +112,12 @@ class ClusterMember:
     hosting: Callable[[], Hosting]
     reports: Callable[[], Mapping[int, PartitionReport]]
     on_assignment: Callable[[Assignment], None]
+    clock: SharedClock = field(default_factory=lambda: SHARED)  # this process's, by default
     is_leader: bool = False
     redis_ok: bool = False
     assignment: Assignment | None = None
     node_urls: dict[str, str] = field(default_factory=dict)
     alive_nodes: frozenset[str] = frozenset()
-    _dead_since: dict[str, int] = field(default_factory=dict)
     _last_hosting: tuple[object, ...] = ()
 
     async def run(self) -> None:
@@ -110,10 +138,11 @@ class ClusterMember:
                     log.info("redis reachable again")
                 self.redis_ok = True
             except (aioredis.RedisError, OSError) as exc:
+                # Leadership is left alone: the lease may well still be ours, and the next
+                # leader step renews it (dropping it here left nobody leading for a lease).
                 if self.redis_ok:
                     log.warning("redis unreachable; serving on, heartbeat lapsing", error=str(exc))
                 self.redis_ok = False
-                self.is_leader = False
             except Exception:  # one bad step (a malformed value, say) must not end the loop
                 log.exception("cluster step failed; retrying", step=getattr(step, "__name__", "?"))
             await asyncio.sleep(interval_ms / 1000)
@@ -125,11 +154,25 @@ class ClusterMember:
             pipe.set(self.keys.store(self.store.name), encode(self.store))
             pipe.sadd(self.keys.stores, self.store.name)
             pipe.set(self.keys.alive(self.node.node_id), b"1", px=self.timing.alive_ttl_ms)
-            await pipe.execute()
+            pipe.time()  # the shared clock rides along: no extra round trip
+            sent = self.clock.stopwatch()
+            replies = await pipe.execute()
+            self.clock.observe(replies[-1], sent, self.clock.stopwatch())
+
+    async def sync_clock(self) -> bool:
+        """Sync the shared clock now (the heartbeat keeps it in step afterwards): call before
+        anything stamps times the contract carries, so no stamp is taken on the local clock."""
+        return await self.clock.sync(self.redis)
 
     async def report(self) -> None:
+        if not self.clock.synced:
+            # Reports carry times proxies compare with Redis time: never the local clock's.
+            await self.sync_clock()
         hosting = self.hosting()
-        reports = {lag_field(self.store.name, p): encode(r) for p, r in self.reports().items()}
+        reports = {
+            lag_field(self.store.name, p): encode(self._conservative(r))
+            for p, r in self.reports().items()
+        }
         # What it serves, not when it said so: an event only when that changes.
         serving = (hosting.generation, sorted(hosting.stores.items()))
 
@@ -147,29 +190,48 @@ class ClusterMember:
             await pipe.execute()
         self._last_hosting = serving
 
-    async def lead(self) -> None:
-        me = self.node.node_id
-        if self.is_leader:
-            renewed = await self.redis.eval(
-                _RENEW_LEASE, 1, self.keys.leader, me, self.timing.leader_lease_ms
-            )
-            if not renewed:
-                log.warning("lost the leader lease")
-                self.is_leader = False
-        if not self.is_leader:
-            acquired = await self.redis.set(
-                self.keys.leader, me, nx=True, px=self.timing.leader_lease_ms
-            )
-            if not acquired:
-                return
-            log.info("became the leader")
-            self.is_leader = True
-            self._dead_since = {}  # grace periods restart with a new leader: never move early
-        await self._assign()
+    def _conservative(self, report: PartitionReport) -> PartitionReport:
+        """The report with a "caught up at" stamped before a backward clock step (the first
+        sync of a host whose clock ran ahead, say) moved back with it: never fresher than
+        true. (Dropping the time would not do: lag 0 without a time reads as time lag 0.)"""
+        if report.caught_up_at_ms is None:
+            return report
+        moved = self.clock.conservative_ms(report.caught_up_at_ms)
+        if moved == report.caught_up_at_ms:
+            return report
+        return dataclasses.replace(report, caught_up_at_ms=moved)
 
-    async def _assign(self) -> None:
-        members, stores, lag = await self._cluster_state()
-        previous = self.assignment
+    async def lead(self) -> None:
+        if await self._hold_lease():
+            await self._assign()
+
+    async def _hold_lease(self) -> bool:
+        """Whether this node holds the leader lease after this step.
+
+        Renew first, whatever we believed: a leader whose last step failed on a Redis error
+        still holds its lease, and asking for it with SET NX would fail against itself and
+        leave nobody leading until the lease ran out."""
+        me = self.node.node_id
+        lease = self.timing.leader_lease_ms
+        if await self.redis.eval(_RENEW_LEASE, 1, self.keys.leader, me, lease):
+            if not self.is_leader:
+                log.info("holding the leader lease")
+            self.is_leader = True
+            return True
+        if self.is_leader:
+            log.warning("lost the leader lease")
+            self.is_leader = False
+        if not await self.redis.set(self.keys.leader, me, nx=True, px=lease):
+            return False
+        log.info("became the leader")
+        self.is_leader = True
+        return True
+
+    async def _assign(self, *, retry: bool = True) -> None:
+        # Read before computing: a new leader may have missed its predecessor's last write,
+        # and computing from its own copy would give a different assignment the same number.
+        stored, previous = await self._stored_assignment()
+        members, stores, lag = await self._cluster_state(previous)
         assignment = compute_assignment(
             stores,
             members,
@@ -178,29 +240,63 @@ class ClusterMember:
             standbys=self.timing.standbys,
             grace_ms=self.timing.grace_ms,
             caught_up_lag=self.timing.acceptable_recovery_lag,
-            now_ms=now_ms(),
+            now_ms=self.clock.now_ms(),
             leader=self.node.node_id,
         )
-        unchanged = previous is not None and assignment.generation == previous.generation
-        if unchanged and await self.redis.exists(self.keys.assignment):
-            return  # (a Redis that lost its data gets the assignment back at once)
+        if stored is not None and assignment == stored:
+            return  # (a Redis that lost its data, stored None, gets the assignment back at once)
 
-        event = encode(Event("assignment", generation=assignment.generation))
-        written = await self.redis.eval(
-            _WRITE_IF_LEADER, 3, self.keys.leader, self.keys.assignment, self.keys.events,
-            self.node.node_id, encode(assignment), event,
-        )  # fmt: skip
-        if written:
+        written = await self._write(assignment)
+        if written is Written.WRITTEN:
             log.info("assignment written", generation=assignment.generation)
             self._accept(assignment)
+        elif written is Written.STALE_GENERATION:
+            log.warning(
+                "assignment refused: redis holds this generation or a newer one; re-reading",
+                generation=assignment.generation,
+                will_retry=retry,
+            )
+            if retry:
+                await self._assign(retry=False)
+
+    async def _stored_assignment(self) -> tuple[Assignment | None, Assignment | None]:
+        """(what Redis holds, what to compute from): the stored assignment unless it is
+        missing, unreadable or older than ours (a Redis that lost or rolled back its data:
+        never know less than the last assignment)."""
+        raw = await self.redis.get(self.keys.assignment)
+        mine = self.assignment
+        if raw is None:
+            return None, mine
+        try:
+            stored = decode_assignment(raw)
+        except ContractError as exc:
+            log.warning("stored assignment unreadable; computing from ours", error=str(exc))
+            return None, mine
+        if mine is not None and stored.generation < mine.generation:
+            log.warning(
+                "redis holds an older assignment than ours; computing from ours",
+                stored=stored.generation,
+                ours=mine.generation,
+            )
+            return stored, mine
+        if stored != mine:
+            self._accept(stored)  # what the cluster follows is what Redis holds
+        return stored, stored
+
+    async def _write(self, assignment: Assignment) -> Written:
+        event = encode(Event("assignment", generation=assignment.generation))
+        reply = await self.redis.eval(
+            _WRITE_IF_LEADER, 3, self.keys.leader, self.keys.assignment, self.keys.events,
+            self.node.node_id, encode(assignment), event, assignment.generation,
+        )  # fmt: skip
+        return Written(int(reply))
 
     async def _cluster_state(
-        self,
+        self, previous: Assignment | None
     ) -> tuple[dict[str, Member], dict[str, int], dict[tuple[str, int, str], int | None]]:
         # Never know less than the last assignment: a Redis that lost its data (restarted
         # empty) must not make the leader drop stores and nodes before they register again.
         # Nodes it held count as members (dead until their heartbeat returns: grace applies).
-        previous = self.assignment
         placements = (
             [p for parts in previous.stores.values() for p in parts.values()] if previous else []
         )
@@ -223,16 +319,14 @@ class ClusterMember:
         ):
             if raw is not None:
                 stores[name] = decode_store(raw).partitions
-        at = now_ms()
-        members: dict[str, Member] = {}
-        for node_id, flag in zip(node_ids, alive_flags, strict=True):
-            if flag is not None:
-                self._dead_since.pop(node_id, None)
-                members[node_id] = Member(node_id, alive=True)
-            else:
-                members[node_id] = Member(
-                    node_id, alive=False, dead_since_ms=self._dead_since.setdefault(node_id, at)
-                )
+        alive = {
+            node_id: flag is not None for node_id, flag in zip(node_ids, alive_flags, strict=True)
+        }
+        dead_since = await self._dead_since(alive)
+        members = {
+            node_id: Member(node_id, alive=up, dead_since_ms=None if up else dead_since[node_id])
+            for node_id, up in alive.items()
+        }
         lag: dict[tuple[str, int, str], int | None] = {}
         for node_id in node_ids:
             reported = await self.redis.hgetall(self.keys.lag(node_id))
@@ -243,6 +337,42 @@ class ClusterMember:
                 except (ContractError, ValueError):
                     continue
         return members, stores, lag
+
+    async def _dead_since(self, alive: Mapping[str, bool]) -> dict[str, int]:
+        """When each dead node was first seen dead, kept in Redis (`dead_since`).
+
+        In memory it restarted with every new leader, so with leader changes (or Redis
+        blips) more often than the grace period a dead node's partitions never moved. The
+        earliest sighting wins (HSETNX); a node seen alive loses its field. Unfenced: a late
+        write from a deposed leader can only record a true sighting or restart a grace
+        period, which moves partitions later, never earlier."""
+        key = self.keys.dead_since
+        known: dict[str, int] = {}
+        unreadable: set[str] = set()
+        for raw_node, raw_since in (await self.redis.hgetall(key)).items():
+            try:
+                known[as_text(raw_node)] = int(raw_since)
+            except ValueError:
+                unreadable.add(as_text(raw_node))  # replaced below, as if never seen dead
+        at = self.clock.now_ms()
+        newly_dead = [n for n, up in alive.items() if not up and n not in known]
+        back = [n for n, up in alive.items() if up and (n in known or n in unreadable)]
+        if newly_dead or back:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for node_id in newly_dead:
+                    (pipe.hset if node_id in unreadable else pipe.hsetnx)(key, node_id, at)
+                if back:
+                    pipe.hdel(key, *back)
+                await pipe.execute()
+            for node_id in newly_dead:
+                log.info(
+                    "node seen dead; grace period starts",
+                    node=node_id,
+                    grace_ms=self.timing.grace_ms,
+                )
+            for node_id in back:
+                log.info("node alive again", node=node_id, dead_since_ms=known.get(node_id))
+        return {n: known.get(n, at) for n, up in alive.items() if not up}
 
     async def refresh(self) -> None:
         """Re-read the assignment and who is alive (on a timer, and on every event)."""
@@ -265,7 +395,9 @@ class ClusterMember:
         except ContractError as exc:
             log.warning("ignoring an assignment this node cannot read", error=str(exc))
             return
-        if self.assignment is None or assignment.generation != self.assignment.generation:
+        # Anything that differs, not just the number: should two different assignments ever
+        # carry one generation (a writer outside this script), nodes still follow Redis.
+        if assignment != self.assignment:
             self._accept(assignment)
 
     def _accept(self, assignment: Assignment) -> None:

@@ -275,6 +275,8 @@ typedef struct {
     Py_ssize_t max_request_bytes;
     int max_headers;
     Py_ssize_t idle_per_origin;
+    long long clock_offset_ms; /* added to the wall clock: the shared (Redis) time, see
+                                * common.clock; set by the handler on every table refresh */
     long long in_flight;
     long long deposits;
     long long forwarded;
@@ -515,6 +517,8 @@ static PyMethodDef Hub_methods[] = {
 static PyMemberDef Hub_members[] = {
     {"enabled", T_INT, offsetof(Hub, enabled), 0, "0 sends every request the Python way"},
     {"in_flight", T_LONGLONG, offsetof(Hub, in_flight), 0, "C-path requests awaiting a node"},
+    {"clock_offset_ms", T_LONGLONG, offsetof(Hub, clock_offset_ms), 0,
+     "added to the wall clock to read the shared (Redis) time"},
     {NULL},
 };
 
@@ -958,7 +962,7 @@ static int forward_fast(ClientBase *self, const char *data, Py_ssize_t length) {
     PyObject *cached_object = PyList_GET_ITEM(store->cache, partition);
     if (!PyObject_TypeCheck(cached_object, &CachedType)) return 0;
     Cached *cached = (Cached *)cached_object;
-    long long now_ms = wall_ms();
+    long long now_ms = wall_ms() + hub->clock_offset_ms;
     Py_ssize_t candidate_count = PyTuple_GET_SIZE(cached->candidates);
     if (now_ms >= cached->expires_ms || candidate_count == 0) return 0;
     /* choice.rotated: only the first spread_width candidates share reads, so a restoring
@@ -1189,7 +1193,7 @@ static int answer_fast(UpstreamBase *self, const char *data, Py_ssize_t length) 
     char time_lag[48];
     int time_lag_length = 0;
     if (chosen->caught_up_at_ms >= 0) { /* the bound grows with time, even at lag 0 */
-        long long behind = wall_ms() - chosen->caught_up_at_ms;
+        long long behind = wall_ms() + hub->clock_offset_ms - chosen->caught_up_at_ms;
         time_lag_length = snprintf(time_lag, sizeof time_lag, "x-kroute-time-lag-ms: %lld\r\n",
                                    behind > 0 ? behind : 0);
     }

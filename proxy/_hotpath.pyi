@@ -43,6 +43,7 @@ class Cached:
 class Hub:
     enabled: int
     in_flight: int
+    clock_offset_ms: int
     def __init__(
         self,
         *,

@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 
 import structlog
 
-from common.clock import now_ms
+from common.clock import SHARED, now_ms
 from partitioner import KeyFormatError, KeyPartitioner
 from proxy._hotpath import Cached, Candidate, Hub
 from proxy.choice import (
@@ -99,6 +99,7 @@ class RequestHandler:
         self._targets = targets
         self._plain = {node_id: self._candidate(target) for node_id, target in targets.items()}
         self.snapshot = snapshot
+        self.hub.clock_offset_ms = SHARED.wall_offset_ms()  # the C path reads the wall clock
         stores = snapshot.stores
         self._choices = {name: [None] * store.info.partitions for name, store in stores.items()}
         routes = self.routes.routes

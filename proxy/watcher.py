@@ -5,6 +5,12 @@ to the side and hands it over with one call; requests never touch Redis. When Re
 read the last snapshot stays in use, the watcher reports itself degraded, and it keeps
 retrying on its own; the first good read clears the flag. Values that do not follow the
 contract are skipped (and logged once each), never half-applied.
+
+Every refresh also reads Redis `TIME` (in the same round trip), which keeps this process's
+shared clock (`common.clock`) in step: the times nodes report are Redis time, and so is the
+"now" the proxy measures them against. A report stamped further in the future than
+`CLOCK_TOLERANCE_MS` comes from a writer whose clock is not the shared one (ahead: its
+"caught up at" would make answers look fresher than they are) and is treated as no report.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from urllib.parse import urlsplit
 import redis.asyncio as aioredis
 import structlog
 
-from common.clock import now_ms
+from common.clock import CLOCK_TOLERANCE_MS, SHARED, SharedClock
 from common.contract import (
     ContractError,
     Hosting,
@@ -52,8 +58,10 @@ class TableWatcher:
         networks: tuple[Network, ...] | None,
         on_snapshot: Callable[[RoutingSnapshot], None] = lambda _snapshot: None,
         hold_smaller_table_ms: int = 10_000,
+        clock: SharedClock = SHARED,
     ) -> None:
         self.redis = redis
+        self.clock = clock  # this process's (the handler's now_ms reads the same one)
         self.keys = keys
         self.refresh_interval_s = refresh_interval_ms / 1000
         self.networks = networks
@@ -124,7 +132,7 @@ class TableWatcher:
         if not self.loaded or _placed(snapshot) >= _placed(self.snapshot):
             self._smaller_since_ms = None
             return False
-        at = now_ms()
+        at = self.clock.now_ms()
         if self._smaller_since_ms is None:
             self._smaller_since_ms = at
             log.warning(
@@ -147,7 +155,10 @@ class TableWatcher:
             pipe.smembers(keys.nodes)
             pipe.smembers(keys.stores)
             pipe.get(keys.assignment)
-            node_set, store_set, raw_assignment = await pipe.execute()
+            pipe.time()
+            sent = self.clock.stopwatch()
+            node_set, store_set, raw_assignment, redis_time = await pipe.execute()
+            self.clock.observe(redis_time, sent, self.clock.stopwatch())
         node_ids = sorted(as_text(n) for n in node_set)
         store_names = sorted(as_text(s) for s in store_set)
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -159,6 +170,7 @@ class TableWatcher:
             for name in store_names:
                 pipe.get(keys.store(name))
             results = await pipe.execute()
+        at = self.clock.now_ms()  # after the reports arrived: none can be newer but by skew
         nodes: dict[str, NodeInfo] = {}
         alive: set[str] = set()
         hostings: dict[str, Hosting] = {}
@@ -177,6 +189,8 @@ class TableWatcher:
             for raw_field, raw_report in raw_lag.items():
                 store, _, partition = as_text(raw_field).rpartition("/")
                 report = self._decoded(decode_report, raw_report, f"lag:{node_id}")
+                if report is not None and self._from_the_future(node_id, report, at):
+                    continue
                 if report is not None and partition.isdigit():
                     reports[(node_id, store, int(partition))] = report
         stores: dict[str, StoreInfo] = {}
@@ -192,8 +206,26 @@ class TableWatcher:
             reports=reports,
             nodes=nodes,
             alive=frozenset(alive),
-            built_at_ms=now_ms(),
+            built_at_ms=at,
         )
+
+    def _from_the_future(self, node_id: str, report: PartitionReport, at: int) -> bool:
+        """Whether a report carries a time beyond what two synced clocks can disagree by.
+
+        Its writer's clock runs ahead of Redis time (a writer that does not sync, or not
+        yet): its "caught up at" would understate how stale an answer is by that much, so
+        the report counts as missing (unknown lag: refused under a budget), not as fresh."""
+        newest = max(report.updated_at_ms, report.caught_up_at_ms or 0)
+        if newest <= at + CLOCK_TOLERANCE_MS:
+            return False
+        self._warn_once(
+            f"future:{node_id}",
+            "ignoring lag reports stamped in the future: the node's clock is ahead of redis time",
+            node=node_id,
+            ahead_by_ms=newest - at,
+            tolerance_ms=CLOCK_TOLERANCE_MS,
+        )
+        return True
 
     def _decoded(self, decode: Callable[[Any], Any], raw: Any, what: str) -> Any:
         if raw is None:

@@ -40,6 +40,7 @@ def test_key_names_are_stable():
     assert keys.assignment == "kroute:prod:assignment"
     assert keys.leader == "kroute:prod:leader"
     assert keys.events == "kroute:prod:events"
+    assert keys.dead_since == "kroute:prod:dead_since"
     assert keys.node_id_of(b"kroute:prod:node:n1") == "n1"
     assert lag_field("customers", 7) == "customers/7"
 

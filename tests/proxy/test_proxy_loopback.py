@@ -524,11 +524,13 @@ def test_spreading_reads_never_tries_an_ejected_replica_first(stand_ins, hot_pat
     )
     path = f"/stores/customers/keys/{key}"
     try:
-        spread = {proxy.get(path).headers["x-backend"] for _ in range(6)}
+        spread = {proxy.get(path).headers["x-backend"] for _ in range(12)}
         assert spread == {placed.active, standby}  # both share reads while healthy
         stand_ins.backends[standby].stop()
-        for _ in range(2):  # the standby fails a read and is ejected (alive by heartbeat)
+        for _ in range(20):  # the standby fails a read and is ejected (alive by heartbeat)
             proxy.get(path)
+            if proxy.status()["nodes"][standby]["ejected_since_ms"] is not None:
+                break
         assert proxy.status()["nodes"][standby]["ejected_since_ms"] is not None
         answers = [proxy.get(path) for _ in range(12)]
         assert [a.status_code for a in answers] == [200] * 12

@@ -1,18 +1,31 @@
-"""The routing snapshot, built from contract values without any I/O."""
+"""The routing snapshot, built from contract values without any I/O; at the end, the watcher
+that builds it from a real redis-server, on Redis time."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+import uuid
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from common.clock import SharedClock
 from common.contract import (
     Assignment,
     Hosting,
+    Keys,
     NodeInfo,
     PartitionAssignment,
     PartitionReport,
     StoreInfo,
+    encode,
 )
 from partitioner import partition
-from proxy.choice import LagBudget, choose_replicas
+from proxy.choice import LagBudget, Replica, choose_replicas
 from proxy.routing import EMPTY, build_snapshot
+from proxy.watcher import TableWatcher
 
 NOW = 5_000_000
 STORE = StoreInfo("customers", "bookings", 3, "string", "murmur2", "json")
@@ -107,3 +120,81 @@ def test_before_any_assignment_there_is_nothing_to_route():
     )
     assert built.stores["customers"].replicas == ((), (), ())
     assert EMPTY.stores == {}
+
+
+# -- the watcher against a real redis-server: one clock for writers and readers -------------
+
+
+def publish_one_replica(url: str, keys: Keys, report: PartitionReport) -> None:
+    """A writer outside kroute (one that keeps no shared clock) publishes partition 0 of a
+    one-partition store on node "a", with `report` as its lag report."""
+    store = StoreInfo("customers", "bookings", 1, "string", "murmur2", "json")
+    client = redis.Redis.from_url(url)
+    try:
+        pipe = client.pipeline(transaction=True)
+        pipe.sadd(keys.stores, store.name)
+        pipe.set(keys.store(store.name), encode(store))
+        pipe.sadd(keys.nodes, "a")
+        pipe.set(keys.node("a"), encode(NodeInfo("a", "http://127.0.0.1:1", 0)))
+        pipe.set(keys.alive("a"), "1")
+        pipe.set(
+            keys.hosting("a"),
+            encode(Hosting("a", 1, {"customers": {"active": (0,), "standby": ()}}, 0)),
+        )
+        pipe.hset(keys.lag("a"), "customers/0", encode(report))
+        pipe.set(
+            keys.assignment,
+            encode(Assignment(1, "a", 0, {"customers": {0: PartitionAssignment("a")}})),
+        )
+        pipe.execute()
+    finally:
+        client.close()
+
+
+def watched(url: str, keys: Keys) -> tuple[Replica, int, SharedClock]:
+    async def read() -> tuple[Replica, int, SharedClock]:
+        client = aioredis.Redis.from_url(url)
+        try:
+            clock = SharedClock(skew_ms=-3_000)  # the proxy's own host clock is off too
+            watcher = TableWatcher(
+                client, keys, refresh_interval_ms=1000, networks=None, clock=clock
+            )
+            await watcher.refresh()
+            (replica,) = watcher.snapshot.stores["customers"].replicas[0]
+            return replica, clock.now_ms(), clock
+        finally:
+            await client.aclose()
+
+    return asyncio.run(read())
+
+
+@pytest.mark.integration
+def test_the_watcher_refuses_reports_stamped_in_its_future(redis_server):
+    # A writer 5 s ahead, caught up 5.4 s ago: its "caught up at" reads 400 ms ago.
+    keys = Keys(f"t-{uuid.uuid4().hex[:8]}")
+    true_now = int(time.time() * 1000)
+    ahead = true_now + 5_000
+    publish_one_replica(redis_server.url, keys, PartitionReport(10, 10, None, ahead - 5_400, ahead))
+    replica, now, _clock = watched(redis_server.url, keys)
+    assert replica.lag is None, "its report counts as missing"
+    assert replica.caught_up_at_ms is None
+    refused = choose_replicas((replica,), LagBudget(None, 1_000), now_ms=now)
+    assert refused.candidates == ()
+    assert "unknown" in refused.rejected[0].reason
+
+
+@pytest.mark.integration
+def test_the_watcher_reads_redis_time_and_accepts_reports_within_the_tolerance(redis_server):
+    keys = Keys(f"t-{uuid.uuid4().hex[:8]}")
+    true_now = int(time.time() * 1000)
+    publish_one_replica(
+        redis_server.url, keys, PartitionReport(10, 10, None, true_now - 200, true_now + 100)
+    )
+    replica, now, clock = watched(redis_server.url, keys)
+    assert clock.synced
+    assert abs(now - time.time() * 1000) < 500, "the proxy's -3 s clock was replaced"
+    assert replica.lag == 0
+    time_lag = replica.time_lag_ms(now)
+    assert time_lag is not None
+    assert 200 <= time_lag < 1_000
+    assert choose_replicas((replica,), LagBudget(None, 1_000), now_ms=now).candidates

@@ -113,7 +113,9 @@ class Faults:
         """Writer paused: every live replica serves the topic; then the writer goes on."""
         self.writer.pause()
         try:
-            return assert_replicas_serve_the_topic(self.cluster, set(NODE_NAMES))
+            return assert_replicas_serve_the_topic(
+                self.cluster, set(NODE_NAMES), self.writer.acknowledged
+            )
         finally:
             self.writer.resume()
 
@@ -313,7 +315,7 @@ def test_a_damaged_store_is_rebuilt_from_kafka_and_nothing_wrong_is_served(fault
     cluster = faults.cluster
     victim = next(n for n in NODE_NAMES if n != faults.leader() and active_partitions(faults, n))
     faults.writer.pause()
-    truth = read_truth(cluster)
+    truth = read_truth(cluster, faults.writer.acknowledged)
     faults.kill_9(victim)
     damage_store(faults, victim)
     readers = [Readers(proxy.url, KEYS) for proxy in faults.proxies]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-from confluent_kafka import Producer
+from confluent_kafka import KafkaError, Message, Producer
 
 ANSWERED = (200, 404)  # a value, or "no such key": both are answers, not failures
 
@@ -31,6 +31,9 @@ class Writer:
         self._stop = threading.Event()
         self._idle = threading.Event()
         self.written = 0
+        # (partition, offset) -> (key, value) of each delivered record: the truth check asks the
+        # topic to hold each at the offset the broker gave it (nothing lost in a broker restart).
+        self.acknowledged: dict[tuple[int, int], tuple[bytes | None, bytes | None]] = {}
         self._thread = threading.Thread(target=self._run, name="writer", daemon=True)
         self._thread.start()
 
@@ -43,10 +46,19 @@ class Writer:
             self._idle.clear()
             key = chooser.choice(self._keys)
             value = None if chooser.random() < 0.2 else json.dumps({"n": self.written}).encode()
-            self._producer.produce(self._topic, key=key.encode(), value=value)
+            self._producer.produce(
+                self._topic, key=key.encode(), value=value, on_delivery=self._delivered
+            )
             self._producer.poll(0)
             self.written += 1
             time.sleep(self._interval)
+
+    def _delivered(self, error: KafkaError | None, message: Message) -> None:
+        if error is None:  # a failed record may or may not be in the topic: no claim either way
+            self.acknowledged[(message.partition(), message.offset())] = (
+                message.key(),
+                message.value(),
+            )
 
     def resume(self) -> None:
         self._running.set()

@@ -2,8 +2,11 @@
 
 The ground truth is the topic read from offset 0 to the high watermarks with an independent
 consumer (`tests/kafka_helpers.read_topic`): the latest value per key, and a tombstone
-deletes. The check asks every live replica of every key's partition, so a replica that lost,
-kept or resurrected a key is caught even when the other replica is right.
+deletes. That read must return every offset below the watermarks, and every record the writer
+had acknowledged must be among them at the offset the broker gave it, so a broker that lost or
+rewrote records after a restart cannot hand us a smaller truth. The check asks every live
+replica of every key's partition, so a replica that lost, kept or resurrected a key is caught
+even when the other replica is right.
 """
 
 from __future__ import annotations
@@ -16,15 +19,17 @@ import httpx
 
 from partitioner import partition
 from tests.cluster_helpers import PARTITIONS, Cluster
-from tests.kafka_helpers import read_topic
+from tests.kafka_helpers import Acknowledged, assert_topic_holds, read_topic
 
 Truth = dict[str, Any]  # key -> value (None: deleted)
 
 
-def read_truth(cluster: Cluster) -> Truth:
-    """The latest value of every key in the topic, up to its current high watermarks."""
+def read_truth(cluster: Cluster, acknowledged: Acknowledged) -> Truth:
+    """The latest value of every key in the topic, up to its current high watermarks; the
+    topic must hold every `acknowledged` record (writers paused and flushed)."""
     latest: Truth = {}
     records = read_topic(cluster.bootstrap, cluster.topic, PARTITIONS)
+    assert_topic_holds(records, dict(acknowledged))  # a copy: delivery reports add to it
     for record in sorted(records, key=lambda r: r.offset):  # a key lives in one partition
         assert record.key is not None
         latest[record.key.decode()] = None if record.value is None else json.loads(record.value)
@@ -42,11 +47,13 @@ def wait_caught_up(cluster: Cluster, alive: set[str], timeout_s: float = 180) ->
         time.sleep(0.3)
 
 
-def assert_replicas_serve_the_topic(cluster: Cluster, alive: set[str]) -> int:
+def assert_replicas_serve_the_topic(
+    cluster: Cluster, alive: set[str], acknowledged: Acknowledged
+) -> int:
     """Every live replica of every key answers exactly the topic's latest value (404 when
     deleted). Writers must be paused. Returns the number of keys checked."""
     wait_caught_up(cluster, alive)
-    truth = read_truth(cluster)
+    truth = read_truth(cluster, acknowledged)
     placements = cluster.assignment().stores["customers"]
     wrong: list[str] = []
     clients = {n: httpx.Client(base_url=cluster.nodes[n].url, timeout=10) for n in alive}
