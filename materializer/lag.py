@@ -30,6 +30,9 @@ from materializer.store import Store
 
 log = structlog.get_logger("kroute.materializer.lag")
 _END_HISTORY = 64  # end offsets remembered per partition: a minute at the default interval
+# End offsets older than this are not reported (lag unknown): several refreshes (250 ms each by
+# default) failed in a row, so the broker is not being read.
+END_OFFSET_MAX_AGE_MS = 2_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,10 +43,23 @@ class PartitionLag:
     newest_record_ms: int | None
     caught_up_at_ms: int | None
     end_offset_at_ms: int | None  # when end_offset was read
+    # The store's position is past the log's end: the topic was recreated or truncated (an
+    # unclean election, a broker restarted on memory storage). Nothing it holds is known.
+    outside_log: bool = False
 
     @property
     def lag(self) -> int | None:
-        return None if self.end_offset is None else max(self.end_offset - self.current_offset, 0)
+        if self.end_offset is None or self.outside_log:
+            return None
+        return max(self.end_offset - self.current_offset, 0)
+
+    def known_end(self, at_ms: int, max_age_ms: int = END_OFFSET_MAX_AGE_MS) -> int | None:
+        """The end offset to report: None (lag unknown) once it is older than `max_age_ms`, as
+        when the broker cannot be read; a report must not say lag 0 against an end offset
+        from minutes ago while the store falls behind."""
+        if self.outside_log or self.end_offset_at_ms is None:
+            return None
+        return self.end_offset if at_ms - self.end_offset_at_ms <= max_age_ms else None
 
     def time_lag_ms(self, at_ms: int) -> int | None:
         """Upper bound on staleness at `at_ms`: everything written before caught_up_at_ms is
@@ -134,10 +150,21 @@ class LagTracker:
             if ends is not None and partition in ends:
                 recent.append((ends[partition], at_ms))
             caught_up_at = before.caught_up_at_ms if before else None
-            for end_read, read_at in reversed(recent):
-                if current >= end_read:
-                    caught_up_at = max(caught_up_at or 0, read_at)
-                    break
+            outside = end is not None and current > end
+            if outside:
+                if not (before and before.outside_log):
+                    log.error(
+                        "the store is past the end of the partition's log: the topic was "
+                        "recreated or truncated; its lag is unknown until it is rebuilt",
+                        partition=partition,
+                        store_position=current,
+                        end_offset=end,
+                    )
+            else:
+                for end_read, read_at in reversed(recent):
+                    if current >= end_read:
+                        caught_up_at = max(caught_up_at or 0, read_at)
+                        break
             snapshot[partition] = PartitionLag(
                 partition=partition,
                 current_offset=current,
@@ -145,5 +172,6 @@ class LagTracker:
                 newest_record_ms=checkpoint.newest_record_ms if checkpoint else None,
                 caught_up_at_ms=caught_up_at,
                 end_offset_at_ms=end_at,
+                outside_log=outside,
             )
         return snapshot

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
-from rocksdict import ColumnFamily, Options, Rdict, WriteBatch
+from rocksdict import ColumnFamily, Options, Rdict, WriteBatch, WriteOptions
 
 from common.clock import now_ms
 from materializer.errors import StoreCorrupted, StoreError
@@ -104,6 +104,12 @@ def open_or_rebuild(path: Path) -> Store:
         return Store(path)
 
 
+def _synced() -> WriteOptions:
+    options = WriteOptions()
+    options.sync = True
+    return options
+
+
 def _raw_options() -> Options:
     options = Options(raw_mode=True)
     options.create_if_missing(True)
@@ -137,6 +143,24 @@ class Store:
             if name.startswith("p") and name[1:].isdigit()
         }
         self._write_lock = threading.Lock()
+        self._reconcile()
+
+    def _reconcile(self) -> None:
+        """Make partitions and checkpoints agree after a crash inside `drop_partition` (or a
+        store written before it was ordered): a checkpoint whose rows are gone would make an
+        empty partition look applied up to it (404s with lag 0), and rows without a
+        checkpoint are re-read from the log start anyway, so they are dropped with it."""
+        for key, _ in list(self._checkpoints.items()):
+            if not key.isdigit() or int(key) not in self._partitions:
+                log.warning("checkpoint without its partition's rows: removed", partition=key)
+                self._checkpoints.delete(key, _synced())
+        for partition in sorted(self._partitions):
+            rows = self._partitions[partition][0]
+            if self.checkpoint(partition) is None and next(iter(rows.keys()), None) is not None:
+                log.warning("rows without a checkpoint: dropped", partition=partition)
+                del rows
+                self._partitions = {p: h for p, h in self._partitions.items() if p != partition}
+                self._db.drop_column_family(_partition_cf(partition))
 
     def _open_cf(self, name: str) -> tuple[Rdict, ColumnFamily]:
         return self._db.get_column_family(name), self._db.get_column_family_handle(name)
@@ -162,8 +186,11 @@ class Store:
             remaining = dict(self._partitions)
             del remaining[partition]
             self._partitions = remaining
+            # The checkpoint goes first, synced: a crash before the rows are dropped leaves
+            # rows without a checkpoint, which `_reconcile` drops on open (never the reverse,
+            # an empty partition "applied up to N").
+            self._checkpoints.delete(str(partition).encode(), _synced())
             self._db.drop_column_family(_partition_cf(partition))
-            self._checkpoints.delete(str(partition).encode())
 
     # -- reads -------------------------------------------------------------------------------
 

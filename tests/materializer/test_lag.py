@@ -55,3 +55,45 @@ def test_micro_batches_longer_than_the_refresh_interval_still_catch_up(tmp_path)
         assert tracker.snapshot[0].time_lag_ms(4_000) == 2_000
     finally:
         store.close()
+
+
+def test_a_store_past_the_end_of_the_log_is_never_caught_up(tmp_path):
+    """The topic was recreated (or the broker restarted empty) while the node kept its store:
+    the position is past the high watermark. That is no lag 0, and time must not make the
+    old values look fresh."""
+    store = Store(tmp_path / "store")
+    store.add_partition(0)
+    tracker = LagTracker(store, "bookings", lambda: (0,))
+    try:
+        store.apply(0, [Row(b"k", b"v", 99, 900)], 100, 900)
+        tracker.snapshot = tracker._build({0: 100}, 1_000)  # caught up at t=1000
+        assert tracker.snapshot[0].caught_up_at_ms == 1_000
+        for second in (2, 3, 4):  # the log now ends at 5
+            tracker.snapshot = tracker._build({0: 5}, second * 1_000)
+        lag = tracker.snapshot[0]
+        assert lag.outside_log
+        assert lag.lag is None
+        assert lag.known_end(4_000) is None
+        assert lag.caught_up_at_ms == 1_000  # not advanced: its time lag keeps growing
+        assert lag.time_lag_ms(4_000) == 3_000
+    finally:
+        store.close()
+
+
+def test_an_end_offset_that_is_no_longer_read_is_not_reported(tmp_path):
+    """The broker cannot be read: the last end offset is kept for serving, but a lag report
+    against it would say lag 0 while the store falls behind."""
+    store = Store(tmp_path / "store")
+    store.add_partition(0)
+    tracker = LagTracker(store, "bookings", lambda: (0,))
+    try:
+        store.apply(0, [Row(b"k", b"v", 9, 900)], 10, 900)
+        tracker.snapshot = tracker._build({0: 10}, 1_000)
+        for second in (2, 3, 4):  # refreshes that could not read the broker
+            tracker.snapshot = tracker._build(None, second * 1_000)
+        lag = tracker.snapshot[0]
+        assert lag.end_offset == 10  # still known for serving
+        assert lag.known_end(1_500) == 10
+        assert lag.known_end(4_000) is None  # too old to report
+    finally:
+        store.close()

@@ -148,3 +148,49 @@ def test_a_store_held_by_another_process_is_an_error_not_a_rebuild(tmp_path):
         assert not (tmp_path / "s.corrupted").exists()
     finally:
         holder.close()
+
+
+def test_a_crash_inside_drop_partition_never_leaves_an_empty_partition_applied(tmp_path):
+    """Either half of drop_partition done alone (a crash between them) is undone on open:
+    a checkpoint without rows would answer 404 with lag 0 for keys that exist."""
+    path = tmp_path / "s"
+    first = Store(path)
+    first.add_partition(1)
+    first.add_partition(2)
+    first.apply(1, rows((b"k", b"v", 99)), 100, None)
+    first.apply(2, rows((b"k", b"v", 99)), 100, None)
+    first._db.drop_column_family("p1")  # rows gone, checkpoint left (the old order)
+    first._checkpoints.delete(b"2")  # checkpoint gone, rows left (the new order)
+    first._partitions = {}
+    first.close()
+    second = Store(path)
+    try:
+        assert second.checkpoint(1) is None
+        assert second.checkpoint(2) is None
+        assert second.partitions() == frozenset()  # both read again from the log start
+    finally:
+        second.close()
+
+
+def test_dropping_a_partition_removes_its_checkpoint_first(tmp_path):
+    store = Store(tmp_path / "s")
+    real_db = store._db
+    seen = []
+
+    class Watching:  # what RocksDB is asked, in order
+        def __getattr__(self, name):
+            return getattr(real_db, name)
+
+        def drop_column_family(self, name):
+            seen.append((name, store.checkpoint(4)))
+            real_db.drop_column_family(name)
+
+    try:
+        store.add_partition(4)
+        store.apply(4, rows((b"k", b"v", 0)), 1, None)
+        store._db = Watching()
+        store.drop_partition(4)
+        assert seen == [("p4", None)]  # the checkpoint was already gone
+    finally:
+        store._db = real_db
+        store.close()
