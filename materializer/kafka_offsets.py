@@ -32,6 +32,7 @@ _NO_ERROR = 0
 _OFFSET_OUT_OF_RANGE = 1
 _EARLIEST_TIMESTAMP = -2
 _READ_UNCOMMITTED = 0
+_READ_COMMITTED = 1
 # One byte per partition: the broker still returns at most one record batch (KIP-74), which
 # we discard; we only want the response header's high watermark.
 _PARTITION_MAX_BYTES = 1
@@ -54,11 +55,14 @@ async def fetch_high_watermarks(
     *,
     positions: Mapping[int, int] | None = None,
     timeout_s: float = 5.0,
+    stable: bool = False,
 ) -> dict[int, int]:
     """partition -> high watermark, from one Fetch per partition leader.
 
     `positions` are offsets known to be inside each partition's log (a consumer's positions);
     without them we fetch from 0 and fall back to the log start when 0 is out of range.
+    With `stable`, the end a read_committed reader can reach: the last stable offset when the
+    broker reports one below the high watermark (an open transaction), else the high watermark.
     """
     wanted = sorted(set(partitions))
     fetch_from = {p: (positions or {}).get(p, 0) for p in wanted}
@@ -70,7 +74,7 @@ async def fetch_high_watermarks(
             return found
         if time.monotonic() >= deadline:
             raise EndOffsetsError(topic, missing, f"no high watermark within {timeout_s:.1f}s")
-        out_of_range = await _fetch_once(client, topic, missing, fetch_from, found)
+        out_of_range = await _fetch_once(client, topic, missing, fetch_from, found, stable=stable)
         if out_of_range:
             fetch_from.update(await _earliest_offsets(client, topic, out_of_range))
         elif len(found) < len(wanted):
@@ -83,6 +87,8 @@ async def _fetch_once(
     partitions: list[int],
     fetch_from: Mapping[int, int],
     found: dict[int, int],
+    *,
+    stable: bool = False,
 ) -> list[int]:
     """Record the high watermarks one round of Fetches reports; return partitions out of range."""
     out_of_range: list[int] = []
@@ -91,14 +97,15 @@ async def _fetch_once(
             _FETCH_MAX_WAIT_MS,
             0,  # min_bytes: answer at once, we want the header not the data
             _PARTITION_MAX_BYTES,
-            _READ_UNCOMMITTED,
+            _READ_COMMITTED if stable else _READ_UNCOMMITTED,
             [(topic, [(p, fetch_from[p], _PARTITION_MAX_BYTES) for p in node_partitions])],
         )
         response = await client.send(node_id, request)
         for entry in _partition_entries(response, topic):
             partition, error_code = entry["partition"], entry["error_code"]
             if error_code == _NO_ERROR and entry["highwater_offset"] >= 0:
-                found[partition] = entry["highwater_offset"]
+                high, lso = entry["highwater_offset"], entry.get("last_stable_offset", -1)
+                found[partition] = min(high, lso) if stable and lso >= 0 else high
             elif error_code == _OFFSET_OUT_OF_RANGE:
                 out_of_range.append(partition)
             elif error_code in _STALE_LEADER_ERRORS:

@@ -3,14 +3,26 @@
 Spark runs the pieces in different processes, which shapes this module:
 - `KafkaStreamReader.initialOffset/latestOffset/partitions` run in Spark's streaming-source
   runner (a Python process the JVM starts): starting offsets arrive as an option (the node reads
-  them from its store's checkpoint), end offsets are Fetch high watermarks (kafka_offsets), and
-  each micro-batch is capped at `maxRecordsPerPartition` records per partition;
+  them from its store's checkpoint), end offsets are what a read_committed consumer can read
+  (below), and each micro-batch is capped at `maxRecordsPerPartition` records per partition;
 - `read()` runs in Spark's Python workers, which Spark reuses across tasks: a module-level cache
   keeps one Kafka consumer per partition alive between micro-batches (its connections), assigned
   to the partition only while a batch is read.
 
 The DataFrame has the schema of Spark's own Kafka source (with includeHeaders), so a node can
 switch to `spark-sql-kafka-0-10` without changing anything downstream.
+
+Isolation level: read_committed. Kafka Streams and ksqlDB write their output in transactions;
+an aborted transaction's records must never reach the store (a merge such as a running count
+would count them for good, and a KTable would serve values that never happened), and a record
+of an open transaction may yet be aborted. A read_committed consumer stops at the partition's
+last stable offset (LSO: the first offset of the oldest open transaction), not at the high
+watermark, so a range ending at the high watermark would wait for the transaction and time out
+(the whole query restarted, every 30 s, while it stays open). Each micro-batch therefore ends
+at min(high watermark, LSO) (`readable_ends`). Records past the LSO are not readable by anyone
+reading committed data; they are read once their transaction ends. A range is read to its
+end, and the store's checkpoint moves to that end (sink.py), past commit markers and aborted
+records that the consumer never hands over.
 """
 
 from __future__ import annotations
@@ -18,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +57,8 @@ ARROW_SCHEMA = pa.schema(
     ]
 )
 _ARROW_CHUNK = 10_000  # records per Arrow batch handed to Spark
+ISOLATION_LEVEL = "read_committed"  # see the module's docstring
+_READ_COMMITTED = 1  # Fetch's isolation_level field
 
 
 @dataclass(frozen=True)
@@ -140,14 +155,11 @@ class KafkaStreamReader(DataSourceStreamReader):
         return {str(p): o for p, o in self.options.starting_offsets.items()}
 
     def latestOffset(self) -> dict[str, int]:  # noqa: N802 - Spark's name
-        high_watermarks = _probe(self.options.bootstrap_servers).high_watermarks(
+        ends = _probe(self.options.bootstrap_servers).readable_ends(
             self.options.topic, self.options.partitions, self._next_start
         )
-        cap = self.options.max_records_per_partition
-        return {
-            str(p): max(start, min(high_watermarks[p], start + cap))
-            for p, start in self._next_start.items()
-        }
+        capped = next_batch_ends(self._next_start, ends, self.options.max_records_per_partition)
+        return {str(p): end for p, end in capped.items()}
 
     def partitions(self, start: dict[str, int], end: dict[str, int]) -> list[KafkaRanges]:
         self._next_start.update({int(p): int(o) for p, o in end.items()})
@@ -171,6 +183,21 @@ class KafkaStreamReader(DataSourceStreamReader):
         """Spark's own commit: nothing to do, the node's store holds the real checkpoint."""
 
 
+def next_batch_ends(starts: Mapping[int, int], ends: Mapping[int, int], cap: int) -> dict[int, int]:
+    """Where the next micro-batch ends: at most `cap` records past each start, never before
+    it (an end that went backwards, after a leader change, reads nothing rather than undo)."""
+    return {p: max(start, min(ends[p], start + cap)) for p, start in starts.items()}
+
+
+def readable_ends(high_watermarks: Mapping[int, int], stable: Mapping[int, int]) -> dict[int, int]:
+    """What a read_committed consumer can read up to: the last stable offset, or the high
+    watermark where the broker gave no LSO (Fetch before v4, an error for that partition)."""
+    return {
+        p: min(high, stable[p]) if stable.get(p, -1) >= 0 else high
+        for p, high in high_watermarks.items()
+    }
+
+
 def group_ranges(ranges: list[KafkaRange], tasks: int) -> list[KafkaRanges]:
     """Deal the ranges round-robin into at most `tasks` Spark tasks (none empty)."""
     groups = [tuple(ranges[i::tasks]) for i in range(max(1, tasks))]
@@ -180,8 +207,9 @@ def group_ranges(ranges: list[KafkaRange], tasks: int) -> list[KafkaRanges]:
 # -- driver side: end offsets (runs in Spark's streaming-source runner process) --------------
 
 
-class _HighWatermarkProbe:
-    """A long-lived aiokafka client on a private event loop, for a synchronous caller."""
+class _EndOffsetProbe:
+    """A long-lived aiokafka client on a private event loop, for a synchronous caller: high
+    watermarks (kafka_offsets) and last stable offsets, one Fetch each per partition leader."""
 
     def __init__(self, bootstrap_servers: str) -> None:
         from aiokafka.client import AIOKafkaClient  # noqa: PLC0415 - only in the runner process
@@ -194,23 +222,79 @@ class _HighWatermarkProbe:
             return client
 
         self._client = self._loop.run_until_complete(connect())
+        self._leaders: dict[int, int] = {}  # partition -> leader node, for the LSO Fetch
 
-    def high_watermarks(
+    def readable_ends(
+        self, topic: str, partitions: tuple[int, ...], positions: dict[int, int]
+    ) -> dict[int, int]:
+        return self._loop.run_until_complete(self._readable_ends(topic, partitions, positions))
+
+    def close(self) -> None:
+        """(The runner process keeps its probes until it exits; tests close theirs.)"""
+        self._loop.run_until_complete(self._client.close())
+        self._loop.close()
+
+    async def _readable_ends(
         self, topic: str, partitions: tuple[int, ...], positions: dict[int, int]
     ) -> dict[int, int]:
         from materializer.kafka_offsets import fetch_high_watermarks  # noqa: PLC0415
 
-        return self._loop.run_until_complete(
-            fetch_high_watermarks(self._client, topic, partitions, positions=positions)
-        )
+        highs = await fetch_high_watermarks(self._client, topic, partitions, positions=positions)
+        inside = {p: min(positions.get(p, 0), high) for p, high in highs.items()}
+        return readable_ends(highs, await self._last_stable_offsets(topic, inside))
+
+    async def _last_stable_offsets(self, topic: str, fetch_from: dict[int, int]) -> dict[int, int]:
+        """partition -> LSO from one read_committed Fetch per leader (1 byte: only the header
+        matters). Partitions the broker answers with an error are left out (their high
+        watermark is used); their leaders are looked up again next time."""
+        from aiokafka.protocol.fetch import FetchRequest  # noqa: PLC0415
+
+        if any(p not in self._leaders for p in fetch_from):
+            await self._look_up_leaders(topic)
+        by_leader: dict[int, list[int]] = defaultdict(list)
+        for partition in fetch_from:
+            if partition in self._leaders:
+                by_leader[self._leaders[partition]].append(partition)
+        stable: dict[int, int] = {}
+        for node_id, node_partitions in by_leader.items():
+            wanted = [(p, fetch_from[p], 1) for p in node_partitions]
+            request = FetchRequest(10, 0, 1, _READ_COMMITTED, [(topic, wanted)])
+            response = await self._client.send(node_id, request)
+            for entry in _fetched_partitions(response.to_object(), topic):
+                if entry["error_code"] == 0:
+                    stable[entry["partition"]] = entry.get("last_stable_offset", -1)
+                else:
+                    self._leaders.pop(entry["partition"], None)
+        return stable
+
+    async def _look_up_leaders(self, topic: str) -> None:
+        from aiokafka.structs import TopicPartition  # noqa: PLC0415
+
+        metadata = await self._client.fetch_all_metadata()
+        self._leaders = {
+            p: leader
+            for p in metadata.partitions_for_topic(topic) or ()
+            if (leader := metadata.leader_for_partition(TopicPartition(topic, p))) is not None
+            and leader >= 0
+        }
 
 
-_PROBES: dict[str, _HighWatermarkProbe] = {}
+def _fetched_partitions(response: dict[str, Any], topic: str) -> list[dict[str, Any]]:
+    """The per-partition entries of a Fetch response (the topic field's name varies)."""
+    return [
+        entry
+        for topic_entry in response["topics"]
+        if topic_entry.get("topic", topic_entry.get("topics")) == topic
+        for entry in topic_entry["partitions"]
+    ]
 
 
-def _probe(bootstrap_servers: str) -> _HighWatermarkProbe:
+_PROBES: dict[str, _EndOffsetProbe] = {}
+
+
+def _probe(bootstrap_servers: str) -> _EndOffsetProbe:
     if bootstrap_servers not in _PROBES:
-        _PROBES[bootstrap_servers] = _HighWatermarkProbe(bootstrap_servers)
+        _PROBES[bootstrap_servers] = _EndOffsetProbe(bootstrap_servers)
     return _PROBES[bootstrap_servers]
 
 
@@ -248,6 +332,8 @@ def _consumer_for(options: SourceOptions, partition: int) -> Any:
                 "enable.auto.commit": False,
                 "enable.auto.offset.store": False,
                 "auto.offset.reset": "earliest",
+                # librdkafka's default, stated: the ranges end at the LSO (module docstring).
+                "isolation.level": ISOLATION_LEVEL,
                 "fetch.wait.max.ms": options.fetch_max_wait_ms,  # Tansu: waiting fetches don't wake
                 "queued.max.messages.kbytes": 8192,  # bound what one read prefetches
                 "log_level": 3,

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import structlog
 from aiokafka.client import AIOKafkaClient
 
-from common.clock import now_ms
+from common.clock import SHARED, now_ms
 from materializer.kafka_offsets import fetch_high_watermarks
 from materializer.store import Store
 
@@ -67,7 +67,8 @@ class PartitionLag:
         since, so even a caught-up partition's time lag is the age of that refresh."""
         if self.caught_up_at_ms is None:
             return 0 if self.lag == 0 else None
-        return max(at_ms - self.caught_up_at_ms, 0)
+        # A stamp taken before the clock stepped back to Redis time reads too fresh: mapped.
+        return max(at_ms - SHARED.conservative_ms(self.caught_up_at_ms), 0)
 
     def as_json(self, at_ms: int) -> dict[str, object]:
         return {
@@ -108,8 +109,10 @@ class LagTracker:
         # stamping them later would count records appended meanwhile as applied.
         asked_at = now_ms()
         try:
+            # The nodes read committed records (see kafka_source): an open transaction's
+            # records are not behind, they are not readable yet.
             ends = await fetch_high_watermarks(
-                client, self._topic, partitions, positions=positions, timeout_s=2.0
+                client, self._topic, partitions, positions=positions, timeout_s=2.0, stable=True
             )
         except Exception as exc:  # noqa: BLE001 - keep serving; the report says the ends are old
             if self.broker_error is None:

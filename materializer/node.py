@@ -26,7 +26,7 @@ from common.java import JavaRuntime
 from materializer.cluster import ClusterMember, ClusterTiming
 from materializer.forwarding import Forwarder
 from materializer.lag import LagTracker
-from materializer.pipeline import Pipeline, QueryPlan, create_spark_session
+from materializer.pipeline import Pipeline, QueryPlan, Stall, create_spark_session, find_stalls
 from materializer.server import NodeApp, NodeState
 from materializer.settings import NodeSettings
 from materializer.sink import BatchSink, IngestStats
@@ -99,32 +99,82 @@ class Node:
             lag=LagTracker(self.store, settings.topic, lambda: self.state.hosted),
             stats=self.stats,
             pipeline_status=self._pipeline_status,
+            stalls=self._stalls,
         )
         self.transform = load_transform(settings.transform, settings.merge)
         self.exit_code = 0
         self._stop = asyncio.Event()
         self._client: AIOKafkaClient | None = None
         self._lag_task: asyncio.Task[None] | None = None
+        self._stall_task: asyncio.Task[None] | None = None
         self.advertised_url = settings.advertised_url or ""
         self.cluster: ClusterMember | None = None
         self._cluster_task: asyncio.Task[None] | None = None
         self._generation = 0
         self._drop_timers: dict[int, asyncio.TimerHandle] = {}
         self._tasks: set[asyncio.Future[None]] = set()
+        self._started_at_ms = now_ms()
+        self._hosted_since: dict[int, int] = {}  # partition -> when this node began hosting it
+        self._stalled: frozenset[int] = frozenset()  # as last logged
 
     def _pipeline_status(self) -> dict[str, Any]:
         pipeline = self.pipeline
         if pipeline is None:
             return {"running": False, "state": "starting"}
         progress = pipeline.progress() or {}
+        state = pipeline.state()
         return {
             "running": pipeline.running,
-            "restarts": pipeline.restarts,
-            "last_error": pipeline.last_error,
+            "started_at_ms": state.started_at_ms,
+            "last_batch_applied_at_ms": state.last_batch_at_ms,
+            "restarts": state.restarts,
+            "last_error": state.last_error,
+            "last_error_at_ms": state.last_error_at_ms,
             "last_batch": {k: progress.get(k) for k in ("batchId", "numInputRows", "durationMs")}
             if progress
             else None,
         }
+
+    # -- is the pipeline keeping up? ------------------------------------------------------------
+
+    def _stalls(self) -> dict[int, Stall]:
+        """Hosted partitions with unread records whose store has not moved for too long."""
+        pipeline = self.pipeline
+        state = pipeline.state() if pipeline is not None else None
+        # Before the pipeline exists (Spark starting) the node's own start is the fresh start.
+        floor = (state.started_at_ms if state else None) or self._started_at_ms
+        checkpoints = self.store.checkpoints()
+        progress = {}
+        for partition in self.state.hosted:
+            checkpoint = checkpoints.get(partition)
+            moved = checkpoint.updated_at_ms if checkpoint else 0
+            progress[partition] = max(floor, moved, self._hosted_since.get(partition, 0))
+        snapshot = self.state.lag.snapshot
+        return find_stalls(
+            {p: snapshot[p] for p in self.state.hosted if p in snapshot},
+            progress,
+            now_ms=now_ms(),
+            timeout_ms=self.settings.stall_timeout_ms,
+            last_error=state.last_error if state else None,
+            last_error_at_ms=state.last_error_at_ms if state else None,
+        )
+
+    async def _watch_stalls(self, interval_s: float) -> None:
+        """Log when partitions stall and when they move again (readiness and reports ask
+        `_stalls` themselves, at the moment they answer)."""
+        while True:
+            stalls = self._stalls()
+            stalled = frozenset(stalls)
+            if stalled - self._stalled:
+                log.warning(
+                    "pipeline stalled: not ready, partitions reported as not caught up",
+                    partitions=sorted(stalled),
+                    reasons={p: stall.reason for p, stall in sorted(stalls.items())},
+                )
+            if recovered := self._stalled - stalled:
+                log.info("stalled partitions moving again", partitions=sorted(recovered))
+            self._stalled = stalled
+            await asyncio.sleep(interval_s)
 
     def plan(self) -> QueryPlan:
         checkpoints = self.store.checkpoints()
@@ -171,7 +221,9 @@ class Node:
             log.info("node stopping")
             server.should_exit = True
             background = [
-                task for task in (starting, self._lag_task, self._cluster_task) if task is not None
+                task
+                for task in (starting, self._lag_task, self._stall_task, self._cluster_task)
+                if task is not None
             ]
             for task in background:
                 task.cancel()
@@ -201,9 +253,13 @@ class Node:
         else:
             hosted = ()
             self._join_cluster(num_partitions)
+            await self._sync_clock()
 
         self._lag_task = asyncio.create_task(
             self.state.lag.run(self._client, self.settings.lag_interval_ms / 1000)
+        )
+        self._stall_task = asyncio.create_task(
+            self._watch_stalls(self.settings.lag_interval_ms / 1000)
         )
         log.info(
             "starting Spark",
@@ -226,8 +282,11 @@ class Node:
     def _host(self, roles: dict[int, str]) -> bool:
         """Serve and read exactly these partitions; True when the set changed."""
         hosted = tuple(sorted(roles))
+        at = now_ms()
         for partition in hosted:
             self.store.add_partition(partition)
+            if partition not in self.state.hosted:
+                self._hosted_since[partition] = at  # a fresh start for the stall clock
             timer = self._drop_timers.pop(partition, None)
             if timer is not None:
                 timer.cancel()  # assigned back within the grace period: nothing to restore
@@ -268,6 +327,15 @@ class Node:
         task = asyncio.ensure_future(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    async def _sync_clock(self) -> None:
+        """Take Redis time before the first lag stamps, so they are on the cluster's clock
+        (reports would correct them anyway, by making them look older)."""
+        assert self.cluster is not None
+        try:
+            await self.cluster.sync_clock()
+        except (aioredis.RedisError, OSError) as exc:
+            log.warning("cannot read Redis time yet; the heartbeat will sync", error=str(exc))
 
     def _join_cluster(self, num_partitions: int) -> None:
         settings = self.settings
@@ -348,13 +416,18 @@ class Node:
         )
 
     def _reports(self) -> dict[int, PartitionReport]:
+        """Each hosted partition's offsets. A stalled partition is reported as not known to be
+        caught up (no `caught_up_at_ms`): with lag > 0 that makes it "not in sync" to proxies,
+        which then prefer any in-sync replica even for reads without a budget, and refuse it
+        for a time budget (unknown time lag). Its offsets stay true."""
         at = now_ms()
+        stalled = self._stalls()
         return {
             partition: PartitionReport(
                 current_offset=lag.current_offset,
-                end_offset=lag.end_offset,
+                end_offset=lag.known_end(at),  # unknown once the broker is not being read
                 newest_record_ms=lag.newest_record_ms,
-                caught_up_at_ms=lag.caught_up_at_ms,
+                caught_up_at_ms=None if partition in stalled else lag.caught_up_at_ms,
                 updated_at_ms=at,
             )
             for partition, lag in self.state.lag.snapshot.items()

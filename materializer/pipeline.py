@@ -5,10 +5,21 @@ store's checkpoints, passed to the source as starting offsets, and uses a fresh 
 directory. A query that fails (broker gone, a bad batch) is restarted by the supervisor thread
 after a capped exponential back-off, again from the store's checkpoints, so nothing is applied
 twice and no crash loop hammers the broker.
+
+Re-plans (the hosted partitions changed) are counted in a generation. Each run of the query
+records the generation it was planned at, and only batches of a run on the newest generation
+reach the store; a run that turns out outdated once it has started is stopped by whoever sees
+it first (the re-plan, or the supervisor right after `start()` returns). So a re-plan asked at
+any moment, even while a query is still starting, leads to a query on the newest plan.
+
+Whether the pipeline keeps up is judged with `find_stalls`: a partition with unread records
+whose store has not moved for longer than `KROUTE_STALL_TIMEOUT_MS` is stalled, and the node
+stops calling itself ready (see server.py and node.py).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -16,7 +27,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,9 +36,11 @@ import structlog
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.streaming.query import StreamingQuery
 
+from common.clock import now_ms
 from materializer.kafka_source import SOURCE_NAME, KafkaDataSource, SourceOptions
+from materializer.lag import PartitionLag
 from materializer.settings import NodeSettings
-from materializer.sink import BatchSink
+from materializer.sink import BatchSink, first_line
 
 log = structlog.get_logger("kroute.materializer.pipeline")
 
@@ -114,6 +127,26 @@ def read_kafka(spark: SparkSession, settings: NodeSettings, plan: QueryPlan) -> 
     return spark.readStream.format(SOURCE_NAME).options(**options.as_spark_options()).load()
 
 
+@dataclass(frozen=True)
+class _Run:
+    """One run of the query: the re-plan generation it was planned at, and its checkpoint."""
+
+    generation: int
+    topic: str
+    checkpoint_dir: Path
+
+
+@dataclass(frozen=True)
+class PipelineProgress:
+    """What the supervisor knows about progress; times are `now_ms()` readings."""
+
+    started_at_ms: int | None  # when the supervisor started (None: not started)
+    last_batch_at_ms: int | None  # when the last batch reached the store
+    last_error: str | None
+    last_error_at_ms: int | None
+    restarts: int
+
+
 class Pipeline:
     """Runs and supervises the query; `plan_source` says where each (re)start begins."""
 
@@ -129,25 +162,34 @@ class Pipeline:
         self._sink = sink
         self._plan_source = plan_source
         self._stopping = threading.Event()
-        self._replan = threading.Event()
+        self._lock = threading.Lock()  # _generation and _query change together under it
+        self._generation = 0  # bumped by every re-plan: runs planned before it are outdated
+        self._replanned = threading.Event()  # wakes a supervisor that waits for partitions
         self._batch_lock = threading.Lock()  # held while a batch is applied to the store
         self._query: StreamingQuery | None = None
         self._checkpoint_dir: Path | None = None
         self._thread = threading.Thread(target=self._supervise, name="kroute-pipeline", daemon=True)
         self.restarts = 0
         self.last_error: str | None = None
+        self._last_error_at_ms: int | None = None
+        self._started_at_ms: int | None = None
+        self._last_batch_at_ms: int | None = None
 
     @property
     def running(self) -> bool:
-        return self._query is not None and self._query.isActive
+        query = self._query
+        return query is not None and query.isActive
 
     def start(self) -> None:
+        self._started_at_ms = now_ms()
         self._thread.start()
 
     def stop(self, timeout_s: float = 30.0) -> None:
         self._stopping.set()
+        self._replanned.set()
         self._await_batch_end(timeout_s)
-        query = self._query
+        with self._lock:
+            query = self._query
         if query is not None:
             try:
                 query.stop()
@@ -158,9 +200,14 @@ class Pipeline:
 
     def replan(self) -> None:
         """Restart the query on the current plan (the hosted partitions changed)."""
-        self._replan.set()
+        with self._lock:
+            self._generation += 1
+            generation, query = self._generation, self._query
+        self._replanned.set()
+        log.info("re-plan asked for", generation=generation)
         self._await_batch_end(30.0)
-        query = self._query
+        # A query that is still starting is not `self._query` yet: the supervisor stops it as
+        # soon as start() returns, since it was planned at an older generation.
         if query is not None and query.isActive:
             query.stop()  # awaitTermination returns; the supervisor starts the new plan at once
 
@@ -169,23 +216,43 @@ class Pipeline:
 
         Stopping interrupts the query thread; interrupted inside foreachBatch, Spark matches a
         regex over the whole Python traceback (SPARK-39218) and can die of a StackOverflowError
-        in it before restarting. Once a stop or re-plan is asked for, later batches are no-ops
-        (`_apply`), so after this wait the interrupt lands between batches.
+        in it before restarting. Once a stop or re-plan is asked for, later batches of the
+        outdated run are no-ops (`_apply`), so after this wait the interrupt lands between
+        batches.
         """
         if self._batch_lock.acquire(timeout=timeout_s):
             self._batch_lock.release()
 
-    def _apply(self, batch: DataFrame, batch_id: int) -> None:
+    def _outdated(self, run: _Run) -> bool:
+        return run.generation != self._generation or self._stopping.is_set()
+
+    def _apply(self, run: _Run, batch: DataFrame, batch_id: int) -> None:
         with self._batch_lock:
-            if self._replan.is_set() or self._stopping.is_set():
+            if self._outdated(run):
                 # The store did not move, and the next query starts from the store's offsets.
-                log.debug("batch skipped: the query is being stopped", batch_id=batch_id)
+                log.info(
+                    "batch skipped: its query is outdated or stopping",
+                    batch_id=batch_id,
+                    run_generation=run.generation,
+                    generation=self._generation,
+                )
                 return
-            self._sink(batch, batch_id)
+            ends = batch_end_offsets(run.checkpoint_dir, batch_id, run.topic)
+            self._sink(batch, batch_id, ends)
+            self._last_batch_at_ms = now_ms()
 
     def progress(self) -> dict[str, Any] | None:
         query = self._query
         return None if query is None else query.lastProgress
+
+    def state(self) -> PipelineProgress:
+        return PipelineProgress(
+            started_at_ms=self._started_at_ms,
+            last_batch_at_ms=self._last_batch_at_ms,
+            last_error=self.last_error,
+            last_error_at_ms=self._last_error_at_ms,
+            restarts=self.restarts,
+        )
 
     def _supervise(self) -> None:
         delay = 1.0
@@ -196,42 +263,63 @@ class Pipeline:
             except Exception as exc:  # noqa: BLE001 - any failure: log, back off, restart
                 if self._stopping.is_set():
                     return
-                self.last_error = _first_line(exc)
+                self.last_error = first_line(exc)
+                self._last_error_at_ms = now_ms()
                 self.restarts += 1
                 if time.monotonic() - started > 60:
                     delay = 1.0  # it ran for a while: this is a new failure, not a crash loop
                 log.error(
                     "materialization stopped; restarting from the store's checkpoints",
                     error=self.last_error,
+                    restarts=self.restarts,
                     retry_in_s=delay,
                 )
                 self._stopping.wait(delay)
                 delay = min(delay * 2, self._settings.start_retry_max_s)
 
     def _run_once(self) -> None:
-        self._replan.clear()
-        plan = self._plan_source()
+        with self._lock:
+            generation = self._generation
+        self._replanned.clear()
+        plan = self._plan_source()  # read after the generation: at least as new as it
         if not plan.starting_offsets:
             log.info("no partitions to read; waiting for an assignment")
-            while not (self._replan.wait(0.5) or self._stopping.is_set()):
-                pass
+            while generation == self._generation and not self._stopping.is_set():
+                self._replanned.wait(0.5)
+                self._replanned.clear()
             return
 
         self._remove_checkpoint_dir()
         self._checkpoint_dir = self._settings.data_dir / "spark" / f"checkpoint-{uuid.uuid4().hex}"
+        run = _Run(generation, plan.topic, self._checkpoint_dir)
         log.info(
-            "starting the streaming query", topic=plan.topic, starting_offsets=plan.starting_offsets
+            "starting the streaming query",
+            topic=plan.topic,
+            starting_offsets=plan.starting_offsets,
+            generation=generation,
         )
-        query = (
+        query = self._start_query(plan, run)
+        with self._lock:
+            self._query = query
+            outdated = self._outdated(run)
+        if outdated:
+            # Re-planned (or stopped) while it was starting: the re-plan could not see this
+            # query to stop it, so it is stopped here, and the loop plans again.
+            log.info("query outdated as it started; stopping it", generation=generation)
+            self._await_batch_end(30.0)
+            query.stop()
+            return
+        query.awaitTermination()  # raises when the query fails; returns when it is stopped
+
+    def _start_query(self, plan: QueryPlan, run: _Run) -> StreamingQuery:
+        return (
             read_kafka(self._spark, self._settings, plan)
-            .writeStream.foreachBatch(self._apply)
-            .option("checkpointLocation", str(self._checkpoint_dir))
+            .writeStream.foreachBatch(functools.partial(self._apply, run))
+            .option("checkpointLocation", str(run.checkpoint_dir))
             .trigger(processingTime=f"{self._settings.trigger_interval_ms} milliseconds")
             .queryName(f"kroute-{self._settings.store_name}")
             .start()
         )
-        self._query = query
-        query.awaitTermination()  # raises when the query fails; returns when it is stopped
 
     def _remove_checkpoint_dir(self) -> None:
         if self._checkpoint_dir is not None:
@@ -239,6 +327,95 @@ class Pipeline:
             self._checkpoint_dir = None
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"[:500]
+# -- the offsets a micro-batch read ------------------------------------------------------------
+
+_OFFSET_LOG_VERSION = "v1"
+
+
+def batch_end_offsets(checkpoint_dir: Path, batch_id: int, topic: str) -> dict[int, int] | None:
+    """partition -> the offset after the range a micro-batch read, or None when unknown.
+
+    Spark writes each micro-batch's end offsets to its offset log (`offsets/<batch id>`) before
+    it runs the batch: a version line, a line of batch metadata, then one line per source with
+    the offsets that source's `latestOffset()` returned. The range [start, end) of each
+    partition was read in full (kafka_source.read_range), so the store's checkpoint may move to
+    `end` even when the last records of the range were not data: transaction commit or abort
+    markers, or records that read_committed does not deliver. Our source writes
+    {"<partition>": offset}; Spark's Kafka source {"<topic>": {"<partition>": offset}}.
+    """
+    path = checkpoint_dir / "offsets" / str(batch_id)
+    try:
+        lines = path.read_text().splitlines()
+        if len(lines) < 3 or lines[0] != _OFFSET_LOG_VERSION:
+            raise ValueError(f"unknown offset log format: {lines[:1]}")
+        offsets = json.loads(lines[2])
+        if isinstance(offsets.get(topic), dict):
+            offsets = offsets[topic]
+        return {int(partition): int(offset) for partition, offset in offsets.items()}
+    except (OSError, ValueError, TypeError, AttributeError) as exc:
+        # Without the ends the checkpoint moves to the last record + 1, as before: correct,
+        # but a partition whose log ends in a transaction marker then shows lag 1.
+        log.warning(
+            "cannot read the micro-batch's end offsets from Spark's offset log",
+            path=str(path),
+            error=str(exc),
+        )
+        return None
+
+
+# -- stalls ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Stall:
+    """A hosted partition with unread records whose store has not moved for too long."""
+
+    partition: int
+    unread: int  # offsets behind the end offset last read
+    since_ms: int  # waiting since: the later of its last progress and when it was caught up
+    reason: str
+
+    def as_json(self, at_ms: int) -> dict[str, object]:
+        return {
+            "partition": self.partition,
+            "unread": self.unread,
+            "stalled_since_ms": self.since_ms,
+            "stalled_for_ms": max(at_ms - self.since_ms, 0),
+            "reason": self.reason,
+        }
+
+
+def find_stalls(
+    lags: Mapping[int, PartitionLag],
+    progress_at_ms: Mapping[int, int],
+    *,
+    now_ms: int,
+    timeout_ms: int,
+    last_error: str | None = None,
+    last_error_at_ms: int | None = None,
+) -> dict[int, Stall]:
+    """The partitions that have waited longer than `timeout_ms` with records unread.
+
+    `progress_at_ms[p]` is the last moment partition p is known to have moved or been given a
+    fresh start: its checkpoint's last write, when the node began hosting it, when the
+    pipeline started. A partition waits since the later of that and the moment it was last
+    known caught up (records that arrived after an idle hour are not an hour late). Under
+    steady writes a healthy pipeline moves every partition with unread records in every
+    micro-batch (each batch reads up to the cap from each), so only a frozen, failing or
+    crash-looping pipeline, or a partition whose checkpoint cannot pass the end offset, waits
+    that long.
+    """
+    stalls: dict[int, Stall] = {}
+    for partition, lag in lags.items():
+        unread = lag.lag
+        if not unread:  # 0, or unknown: nothing is known to be waiting
+            continue
+        since = max(progress_at_ms.get(partition, now_ms), lag.caught_up_at_ms or 0)
+        waited = now_ms - since
+        if waited <= timeout_ms:
+            continue
+        reason = f"{unread} offsets unread and the store has not moved for {waited // 1000} s"
+        if last_error is not None and last_error_at_ms is not None and last_error_at_ms >= since:
+            reason += f"; the pipeline failed meanwhile: {last_error}"
+        stalls[partition] = Stall(partition, unread, since, reason)
+    return stalls

@@ -2,9 +2,11 @@
 
     GET /stores/{store}/keys/{key}   200 value + where it came from, 404 absent key or store,
                                      400 malformed key, 421 a partition this node does not host
-    GET /metadata                    hosted partitions: offsets, end offsets, lag, newest record
+    GET /metadata                    hosted partitions: offsets, end offsets, lag, newest record;
+                                     the pipeline: last batch applied, errors, stalls and why
     GET /health/live                 the process answers
-    GET /health/ready                200 once every hosted partition has caught up once, else 503
+    GET /health/ready                200 once every hosted partition has caught up once and none
+                                     is stalled, else 503 with the reason
 
 Lookups read RocksDB directly on the event loop (~1 µs); they never wait for a micro-batch,
 only, at worst, for one partition's write of one batch (bounded by max_records_per_partition).
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
@@ -25,6 +27,7 @@ import httpx
 from common.clock import now_ms
 from materializer.forwarding import FORWARDED_BY, Forwarder
 from materializer.lag import LagTracker
+from materializer.pipeline import Stall
 from materializer.sink import IngestStats
 from materializer.store import Store
 from partitioner import KeyFormatError, KeyPartitioner
@@ -52,6 +55,8 @@ class NodeState:
     hosted: tuple[int, ...] = ()
     roles: dict[int, str] = field(default_factory=dict)  # partition -> active/standby
     pipeline_status: Callable[[], dict[str, Any]] = dict
+    # Partitions whose pipeline is stalled, asked at the moment of each answer.
+    stalls: Callable[[], Mapping[int, Stall]] = dict
     # In a cluster: the URL of the node that is active for a partition, and how to reach it.
     owner_of: Callable[[int], str | None] | None = None
     forwarder: Forwarder | None = None
@@ -207,6 +212,7 @@ class NodeApp:
                 "records": state.stats.records,
                 "changes_written": state.stats.changes_written,
             }
+        stalls = state.stalls()
         partitions = []
         for partition in state.hosted:
             lag = state.lag.snapshot.get(partition)
@@ -214,6 +220,9 @@ class NodeApp:
             entry.update(
                 {"role": state.role_of(partition), "skipped_records": problems.get(partition, 0)}
             )
+            stall = stalls.get(partition)
+            if stall is not None:
+                entry["stalled_since_ms"] = stall.since_ms
             partitions.append(entry)
         return {
             "node": state.node_id,
@@ -227,7 +236,7 @@ class NodeApp:
             "broker_error": state.lag.broker_error,
             "ingest": ingest,
             "forwarded": state.forwarded,
-            "pipeline": state.pipeline_status(),
+            "pipeline": {**state.pipeline_status(), **_stall_summary(stalls, at)},
         }
 
     async def _ready(self, send: Send) -> None:
@@ -238,19 +247,59 @@ class NodeApp:
             for p in state.hosted
             if (lag := state.lag.snapshot.get(p)) is None or lag.caught_up_at_ms is None
         ]
-        if state.partitioner is None or not pipeline.get("running") or never_caught_up:
+        stalls, at = state.stalls(), now_ms()
+        reason = _not_ready_reason(
+            state.partitioner is not None, bool(pipeline.get("running")), never_caught_up, stalls
+        )
+        if reason is not None:
             await _respond(
                 send,
                 503,
                 {
                     "status": "not_ready",
+                    "node": state.node_id,
+                    "reason": reason,
                     "partitioner_known": state.partitioner is not None,
                     "pipeline_running": bool(pipeline.get("running")),
+                    "pipeline_error": pipeline.get("last_error"),
                     "catching_up": never_caught_up,
+                    "stalled": [stall.as_json(at) for stall in stalls.values()],
                 },
             )
             return
         await _respond(send, 200, {"status": "ready", "node": state.node_id})
+
+
+def _not_ready_reason(
+    partitioner_known: bool,
+    pipeline_running: bool,
+    never_caught_up: list[int],
+    stalls: Mapping[int, Stall],
+) -> str | None:
+    """Why the node is not ready, in words (None: it is ready)."""
+    if not partitioner_known:
+        return "starting: the topic's partition count is not known yet (broker unreachable?)"
+    if stalls:
+        first = min(stalls.values(), key=lambda stall: stall.since_ms)
+        return f"pipeline stalled on partitions {sorted(stalls)}: {first.reason}"
+    if not pipeline_running:
+        return "the streaming query is not running (starting, or restarting after a failure)"
+    if never_caught_up:
+        return f"partitions {never_caught_up} have not caught up since the node started"
+    return None
+
+
+def _stall_summary(stalls: Mapping[int, Stall], at_ms: int) -> dict[str, Any]:
+    """The pipeline's stall state for /metadata: since when, and why."""
+    if not stalls:
+        return {"stalled": False, "stalled_since_ms": None, "why": None, "stalled_partitions": []}
+    first = min(stalls.values(), key=lambda stall: stall.since_ms)
+    return {
+        "stalled": True,
+        "stalled_since_ms": first.since_ms,
+        "why": first.reason,
+        "stalled_partitions": [stall.as_json(at_ms) for stall in stalls.values()],
+    }
 
 
 def _path_text(segment: bytes) -> str | None:

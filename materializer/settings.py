@@ -117,6 +117,17 @@ class NodeSettings(EnvSettings):
         description="Least time between the starts of two micro-batches; a longer batch starts "
         "the next at once (0: always back to back, most CPU).",
     )
+    stall_timeout_ms: int = Field(
+        default=30_000,
+        ge=1_000,
+        le=3_600_000,
+        # A healthy pipeline moves every partition with unread records once per micro-batch:
+        # a trigger interval plus one batch (seconds at most, even for a capped batch of a
+        # restore on a busy machine). 30 s is many of those, and well below what a user waits.
+        description="A hosted partition with unread records whose store has not moved for "
+        "this long is stalled: the node is not ready and reports it as not caught up "
+        "(must exceed KROUTE_TRIGGER_INTERVAL_MS).",
+    )
     transform: ImportPath | None = Field(
         default=None,
         description="Custom Spark transform, module:function (default: latest value per key).",
@@ -186,6 +197,17 @@ class NodeSettings(EnvSettings):
         value = value.replace(" ", "")
         if not _PARTITION_LIST.match(value):
             raise ValueError("expected 'all' or a list such as 0-5,7")
+        return value
+
+    @field_validator("stall_timeout_ms")
+    @classmethod
+    def _longer_than_a_trigger(cls, value: int, info: ValidationInfo) -> int:
+        trigger_ms = info.data.get("trigger_interval_ms")
+        if trigger_ms is not None and value <= trigger_ms:
+            raise ValueError(
+                f"must exceed KROUTE_TRIGGER_INTERVAL_MS ({trigger_ms}): a pipeline that waits "
+                "for its next trigger is not stalled"
+            )
         return value
 
     @field_validator("key_format", "partitioner")

@@ -150,7 +150,8 @@ class Store:
         store written before it was ordered): a checkpoint whose rows are gone would make an
         empty partition look applied up to it (404s with lag 0), and rows without a
         checkpoint are re-read from the log start anyway, so they are dropped with it."""
-        for key, _ in list(self._checkpoints.items()):
+        for key in list(self._checkpoints.keys()):
+            assert isinstance(key, bytes)  # raw mode
             if not key.isdigit() or int(key) not in self._partitions:
                 log.warning("checkpoint without its partition's rows: removed", partition=key)
                 self._checkpoints.delete(key, _synced())

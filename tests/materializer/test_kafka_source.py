@@ -1,10 +1,17 @@
-"""The data source's pure parts: options as Spark hands them over, and task grouping."""
+"""The data source's pure parts: options as Spark hands them over, task grouping, and where a
+micro-batch ends."""
 
 from __future__ import annotations
 
 from pyspark.sql.datasource import CaseInsensitiveDict
 
-from materializer.kafka_source import KafkaRange, SourceOptions, group_ranges
+from materializer.kafka_source import (
+    KafkaRange,
+    SourceOptions,
+    group_ranges,
+    next_batch_ends,
+    readable_ends,
+)
 
 
 def test_options_survive_sparks_case_insensitive_map():
@@ -30,3 +37,20 @@ def test_ranges_are_dealt_into_at_most_the_given_number_of_tasks():
     assert len(group_ranges(ranges, 1)) == 1
     assert len(group_ranges(ranges[:1], 4)) == 1  # no empty tasks
     assert group_ranges([], 3) == []
+
+
+def test_a_batch_ends_at_what_read_committed_can_read_the_last_stable_offset():
+    # An open transaction from offset 40: the high watermark is 55, the LSO 40. A range to 55
+    # would wait for the transaction (and time out, restarting the query); to 40 it is read.
+    assert readable_ends({0: 55, 1: 9}, {0: 40, 1: 9}) == {0: 40, 1: 9}
+
+
+def test_without_a_last_stable_offset_the_high_watermark_is_the_end():
+    # Fetch before v4 reports -1; a partition the LSO Fetch failed for is missing.
+    assert readable_ends({0: 55, 1: 9}, {0: -1}) == {0: 55, 1: 9}
+
+
+def test_batches_are_capped_per_partition_and_never_end_before_they_start():
+    starts = {0: 100, 1: 5, 2: 70}
+    ends = {0: 50_000, 1: 9, 2: 60}  # 2: an end that went backwards (a new leader)
+    assert next_batch_ends(starts, ends, cap=1000) == {0: 1100, 1: 9, 2: 70}

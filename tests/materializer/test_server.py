@@ -10,6 +10,7 @@ import pytest
 
 from common.clock import now_ms
 from materializer.lag import LagTracker
+from materializer.pipeline import Stall
 from materializer.server import NodeApp, NodeState
 from materializer.sink import IngestStats
 from materializer.store import Row, Store
@@ -183,3 +184,47 @@ def test_string_and_bytes_values(node_state):
     )
     node_state.value_format = "string"
     assert get(node_state, f"/stores/customers/keys/{key}").json()["value"] == "héllo"
+
+
+def stalled_at(state: NodeState, partition: int, for_ms: int) -> Stall:
+    stall = Stall(partition, 50, now_ms() - for_ms, "50 offsets unread and the store has not moved")
+    state.stalls = lambda: {partition: stall}
+    return stall
+
+
+def test_a_stalled_pipeline_makes_the_node_not_ready_and_says_why(node_state):
+    assert get(node_state, "/health/ready").status_code == 200
+    node_state.pipeline_status = lambda: {"running": True, "last_error": "ValueError: poison"}
+    stalled_at(node_state, 1, for_ms=45_000)
+    response = get(node_state, "/health/ready")
+    assert response.status_code == 503
+    body = response.json()
+    assert body["status"] == "not_ready"
+    assert body["reason"].startswith("pipeline stalled on partitions [1]: 50 offsets unread")
+    assert body["pipeline_error"] == "ValueError: poison"
+    [stall] = body["stalled"]
+    assert stall["partition"] == 1
+    assert stall["unread"] == 50
+    assert stall["stalled_for_ms"] >= 45_000
+
+
+def test_metadata_shows_the_pipelines_state_since_when_it_is_stalled_and_why(node_state):
+    body = get(node_state, "/metadata").json()
+    assert body["pipeline"]["stalled"] is False
+    assert body["pipeline"]["why"] is None
+    stall = stalled_at(node_state, 2, for_ms=31_000)
+    body = get(node_state, "/metadata").json()
+    assert body["pipeline"]["stalled"] is True
+    assert body["pipeline"]["stalled_since_ms"] == stall.since_ms
+    assert body["pipeline"]["why"] == stall.reason
+    assert [p["partition"] for p in body["pipeline"]["stalled_partitions"]] == [2]
+    by_partition = {p["partition"]: p for p in body["partitions"]}
+    assert by_partition[2]["stalled_since_ms"] == stall.since_ms
+    assert "stalled_since_ms" not in by_partition[0]
+
+
+def test_not_ready_answers_name_the_reason(node_state):
+    forget_the_ends(node_state)
+    assert "have not caught up" in get(node_state, "/health/ready").json()["reason"]
+    node_state.pipeline_status = lambda: {"running": False}
+    assert "not running" in get(node_state, "/health/ready").json()["reason"]
