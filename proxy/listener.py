@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import re
 import socket
 import struct
+import termios
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -64,6 +66,7 @@ WRITE_LOW_WATER = 16_384
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _MAX_DISCARDED_BYTES = 65_536
 _LINGER_RESET = struct.pack("ii", 1, 0)
+_INT_BUFFER = struct.pack("i", 0)
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,8 @@ class ClientConnection(ClientBase, asyncio.Protocol):
         self._refusal: tuple[RequestRejected, bool] | None = None
         self._trickled = 0  # bytes of reads that continued an unfinished head
         self._discarded = 0  # bytes read after the proxy began to close
+        self._client_done = False  # the client half-closed: close once its answers are sent
+        self._blocked_at_bytes = 0  # the transport's buffer when the send deadline was set
         self._reset_message()
 
     def _reset_message(self) -> None:
@@ -144,15 +149,25 @@ class ClientConnection(ClientBase, asyncio.Protocol):
             producer.cancel()  # the answer it was streaming has nobody to go to
 
     def eof_received(self) -> bool:
-        return False  # the client is done sending: close (after what is being written)
+        """The client is done sending (a half-close is legal HTTP/1.1): answer what it sent,
+        then close. A request it cut short can never complete, so nothing waits for it."""
+        if self.closed or not (self.busy or self._queue):
+            return False  # nothing to answer: close (after what is being written)
+        self._client_done = True
+        self.attention = True  # the C path must hand each answer's end to after_fast_response
+        return True  # keep the connection open for the answers
 
     def pause_writing(self) -> None:
         """The transport's buffer passed its high-water mark: the client is behind."""
         self._write_blocked = True
-        self.deadline = self._listener.clock() + self._limits.send_timeout_s
+        self._renew_send_deadline()
         if self._producer is not None:
             self._producer.pause()
         self._update_reading()
+
+    def _renew_send_deadline(self) -> None:
+        self.deadline = self._listener.clock() + self._limits.send_timeout_s
+        self._blocked_at_bytes = self._unsent_bytes()
 
     def resume_writing(self) -> None:
         self._write_blocked = False
@@ -409,6 +424,9 @@ class ClientConnection(ClientBase, asyncio.Protocol):
         if not keep_alive or self._listener.closing:
             self._close()
             return
+        if self._client_done and not self._queue:
+            self._close()  # it half-closed: everything it sent is answered
+            return
         if self._queue:
             if self._write_blocked:
                 self.attention = True  # resume_writing serves the next one
@@ -450,10 +468,20 @@ class ClientConnection(ClientBase, asyncio.Protocol):
 
     def expire(self, now: float) -> None:
         """The sweeper found this connection past its deadline."""
+        if self._write_blocked and not self.closed and self._still_draining():
+            self._renew_send_deadline()  # slow, but taking its answer: not a stuck client
+            return
         if self.closed or self._write_blocked:
             # A closing connection that has not flushed in time, or a client that took none
             # of its answer for the send timeout: reset, so the socket and what the kernel
             # still holds for it are released now.
+            log.info(
+                "client connection reset",
+                client=self._client_ip,
+                reason="not closed within the close timeout"
+                if self.closed
+                else "took none of its answer within the send timeout",
+            )
             self.abort_response()
             return
         if self.busy:
@@ -470,6 +498,26 @@ class ClientConnection(ClientBase, asyncio.Protocol):
             )
         else:
             self._close()
+
+    def _still_draining(self) -> bool:
+        """Bytes left the transport's buffer since the send deadline was set (the kernel only
+        reports a socket writable once much of its queue drained, so a slow reader can stay
+        above the high-water mark for long while taking its answer steadily)."""
+        return self._unsent_bytes() < self._blocked_at_bytes
+
+    def _unsent_bytes(self) -> int:
+        """What the client has not taken yet: the transport's buffer and the kernel's send
+        queue (SIOCOUTQ), which holds megabytes and drains while the buffer stands still."""
+        transport = self.transport
+        if transport is None:
+            return 0
+        unsent = int(transport.get_write_buffer_size())
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError, ValueError):
+                queued = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, _INT_BUFFER)
+                unsent += int(struct.unpack("i", queued)[0])
+        return unsent
 
     def close_if_idle(self) -> None:
         if not self.busy and not self.reading:
@@ -489,7 +537,9 @@ class ClientConnection(ClientBase, asyncio.Protocol):
             transport.close()  # refused before it was counted: nothing to wait for
             return
         self.deadline = self._listener.clock() + self._limits.close_timeout_s
-        if transport.can_write_eof():
+        if self._client_done:
+            transport.close()  # it closed its side already: nothing to wait for
+        elif transport.can_write_eof():
             transport.write_eof()
             if self._read_paused:
                 transport.resume_reading()  # to see the client's close

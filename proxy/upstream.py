@@ -17,7 +17,9 @@ What a sink is told, in order:
   or `on_cancelled()` when the client went away while the answer was streaming.
 
 Framing is checked, not trusted: a connection goes back to the pool only when its answer ended
-cleanly (content-length or chunked framing, keep-alive on both sides) with no byte after it; a
+cleanly (content-length or chunked framing, keep-alive on both sides) with no byte after it,
+and never after an answer without a body (HEAD, 204, 304: a broken node's late body would
+reach the next request); a
 body that ends when the node closes (HTTP/1.0, or no framing) is forwarded whole and the
 connection is not reused; a 101 to a request that asked for no upgrade, a head over
 `MAX_HEAD_BYTES`, a body over `max_response_bytes` or anything unparsable is an
@@ -225,6 +227,8 @@ class UpstreamConnection(UpstreamBase, asyncio.Protocol):
         if end + 4 > MAX_HEAD_BYTES:
             raise UpstreamProtocol(f"response head over {MAX_HEAD_BYTES} bytes")
         status = self._parser.get_status_code()
+        if status < 100:
+            raise UpstreamProtocol(f"status {status} is not an HTTP status")
         if status == 101:
             raise UpstreamProtocol("101 Switching Protocols to a request without Upgrade")
         if status < 200:
@@ -233,20 +237,30 @@ class UpstreamConnection(UpstreamBase, asyncio.Protocol):
             return
         lines = raw[raw.find(b"\r\n") + 2 : end + 2]
         length = _content_length(lines)
+        codings = _transfer_codings(lines)
+        if codings and codings != [b"chunked"]:
+            # Passed on undecoded with the header dropped, the body would be unreadable.
+            raise UpstreamProtocol(f"transfer coding {b', '.join(codings).decode()} in an answer")
         self._head = ResponseHead(status, filter_response_head(lines), length)
         self._in_head = False
         self._raw_head = b""
+        no_body = status in (204, 304)
+        if self._head_request or no_body:
+            # An answer without a body is where a broken node most often sends one anyway,
+            # later, after the answer looked whole; whatever it sends would be read as the
+            # next request's answer. These are rare: such a connection is never reused.
+            self._extra = True
         if self._head_request:
-            self._extra = end + 4 < len(raw)
             self._keep_alive = self._parser.should_keep_alive()
             raise _HeadResponseEnd
-        no_body = status in (204, 304)
-        if length is None and not no_body and not _chunked(lines):
+        if length is None and not no_body and not codings:
             self._until_close = True
         if length is not None and length > self._pool.max_response_bytes:
             raise UpstreamProtocol(f"response over {self._pool.max_response_bytes} bytes")
 
     def on_body(self, body: bytes) -> None:
+        if self._interim:
+            raise UpstreamProtocol("an interim (1xx) answer with a body")
         self._size += len(body)
         if self._size > self._pool.max_response_bytes:
             raise UpstreamProtocol(f"response over {self._pool.max_response_bytes} bytes")
@@ -364,9 +378,9 @@ def _content_length(lines: bytes) -> int | None:
     return None if found is None else int(found.group(1))
 
 
-def _chunked(lines: bytes) -> bool:
-    codings = b",".join(_TRANSFER_ENCODING.findall(lines))
-    return codings.rsplit(b",", 1)[-1].strip().lower() == b"chunked"
+def _transfer_codings(lines: bytes) -> list[bytes]:
+    values = b",".join(_TRANSFER_ENCODING.findall(lines))
+    return [token.strip().lower() for token in values.split(b",") if token.strip()]
 
 
 class UpstreamPool:
