@@ -52,10 +52,11 @@ def node(tmp_path: Path):
     built.store.close()
 
 
-def later(monkeypatch: pytest.MonkeyPatch, by_ms: int) -> None:
+def later(monkeypatch: pytest.MonkeyPatch, by_ms: int) -> int:
     """The node's clock, `by_ms` from now: nothing has moved meanwhile."""
     at = now_ms() + by_ms
     monkeypatch.setattr(node_module, "now_ms", lambda: at)
+    return at
 
 
 def behind_since_caught_up(node: Node) -> int:
@@ -83,7 +84,8 @@ def test_a_stalled_partition_is_reported_as_not_known_caught_up_with_its_true_of
     # under a time budget (unknown time lag); the offsets stay true for offset budgets.
     t0 = behind_since_caught_up(node)
     assert node._reports()[0].caught_up_at_ms == t0
-    later(monkeypatch, 45_000)
+    at = later(monkeypatch, 45_000)
+    node.state.lag.apply_ends({0: 100, 1: 8}, at)  # the broker is still read: ends are fresh
     reports = node._reports()
     assert reports[0].caught_up_at_ms is None
     assert (reports[0].current_offset, reports[0].end_offset, reports[0].lag) == (8, 100, 92)
