@@ -19,6 +19,7 @@ import time
 import weakref
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from aiokafka.client import AIOKafkaClient
@@ -48,6 +49,14 @@ _LEADERS: weakref.WeakKeyDictionary[AIOKafkaClient, dict[str, dict[int, int]]] =
 )
 
 
+@dataclass(frozen=True, slots=True)
+class LogBounds:
+    """Where a partition's log starts and ends, as one Fetch response said."""
+
+    start: int | None  # the log start offset; None when the broker does not report it
+    end: int  # the high watermark, or the last stable offset when asked for `stable`
+
+
 async def fetch_high_watermarks(
     client: AIOKafkaClient,
     topic: str,
@@ -57,16 +66,34 @@ async def fetch_high_watermarks(
     timeout_s: float = 5.0,
     stable: bool = False,
 ) -> dict[int, int]:
-    """partition -> high watermark, from one Fetch per partition leader.
+    """partition -> high watermark (see `fetch_log_bounds`)."""
+    bounds = await fetch_log_bounds(
+        client, topic, partitions, positions=positions, timeout_s=timeout_s, stable=stable
+    )
+    return {partition: bound.end for partition, bound in bounds.items()}
 
-    `positions` are offsets known to be inside each partition's log (a consumer's positions);
-    without them we fetch from 0 and fall back to the log start when 0 is out of range.
+
+async def fetch_log_bounds(
+    client: AIOKafkaClient,
+    topic: str,
+    partitions: Iterable[int],
+    *,
+    positions: Mapping[int, int] | None = None,
+    timeout_s: float = 5.0,
+    stable: bool = False,
+) -> dict[int, LogBounds]:
+    """partition -> log start and high watermark, from one Fetch per partition leader.
+
+    `positions` are offsets expected inside each partition's log (a consumer's positions);
+    without them we fetch from 0. A position outside the log is answered with
+    OFFSET_OUT_OF_RANGE by Kafka: we fetch again from the log start, and the answer still
+    shows where the log begins, so the caller can see that its position fell out of it.
     With `stable`, the end a read_committed reader can reach: the last stable offset when the
     broker reports one below the high watermark (an open transaction), else the high watermark.
     """
     wanted = sorted(set(partitions))
     fetch_from = {p: (positions or {}).get(p, 0) for p in wanted}
-    found: dict[int, int] = {}
+    found: dict[int, LogBounds] = {}
     deadline = time.monotonic() + timeout_s
     while True:
         missing = [p for p in wanted if p not in found]
@@ -86,11 +113,11 @@ async def _fetch_once(
     topic: str,
     partitions: list[int],
     fetch_from: Mapping[int, int],
-    found: dict[int, int],
+    found: dict[int, LogBounds],
     *,
     stable: bool = False,
 ) -> list[int]:
-    """Record the high watermarks one round of Fetches reports; return partitions out of range."""
+    """Record the bounds one round of Fetches reports; return partitions out of range."""
     out_of_range: list[int] = []
     for node_id, node_partitions in (await _by_leader(client, topic, partitions)).items():
         request = FetchRequest(
@@ -104,8 +131,7 @@ async def _fetch_once(
         for entry in _partition_entries(response, topic):
             partition, error_code = entry["partition"], entry["error_code"]
             if error_code == _NO_ERROR and entry["highwater_offset"] >= 0:
-                high, lso = entry["highwater_offset"], entry.get("last_stable_offset", -1)
-                found[partition] = min(high, lso) if stable and lso >= 0 else high
+                found[partition] = _bounds_of(entry, stable=stable)
             elif error_code == _OFFSET_OUT_OF_RANGE:
                 out_of_range.append(partition)
             elif error_code in _STALE_LEADER_ERRORS:
@@ -113,6 +139,15 @@ async def _fetch_once(
             elif error_code != _NO_ERROR:
                 raise EndOffsetsError(topic, [partition], f"Fetch error code {error_code}")
     return out_of_range
+
+
+def _bounds_of(entry: Mapping[str, Any], *, stable: bool) -> LogBounds:
+    high, lso = entry["highwater_offset"], entry.get("last_stable_offset", -1)
+    start = entry.get("log_start_offset", -1)  # Fetch v5+; -1 when the broker does not know
+    return LogBounds(
+        start=start if start >= 0 else None,
+        end=min(high, lso) if stable and lso >= 0 else high,
+    )
 
 
 async def _earliest_offsets(

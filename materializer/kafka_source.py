@@ -23,6 +23,12 @@ at min(high watermark, LSO) (`readable_ends`). Records past the LSO are not read
 reading committed data; they are read once their transaction ends. A range is read to its
 end, and the store's checkpoint moves to that end (sink.py), past commit markers and aborted
 records that the consumer never hands over.
+
+Offsets outside the log are never skipped silently: the consumer's reset policy is `error`, so
+a range starting below the log start (records deleted by retention before this node read
+them) fails its batch instead of jumping over the gap. The node sees the same thing in its lag
+refresh and rebuilds the partition (lag.OutsideLog). A range starting at 0 is a store that
+holds nothing, so it reads from wherever the log begins.
 """
 
 from __future__ import annotations
@@ -331,7 +337,7 @@ def _consumer_for(options: SourceOptions, partition: int) -> Any:
                 "group.id": "kroute-materializer",  # required by librdkafka; no group is joined
                 "enable.auto.commit": False,
                 "enable.auto.offset.store": False,
-                "auto.offset.reset": "earliest",
+                "auto.offset.reset": "error",  # never jump over a gap (module docstring)
                 # librdkafka's default, stated: the ranges end at the LSO (module docstring).
                 "isolation.level": ISOLATION_LEVEL,
                 "fetch.wait.max.ms": options.fetch_max_wait_ms,  # Tansu: waiting fetches don't wake
@@ -353,10 +359,11 @@ def read_range(
     broker's CPU. Assigning again costs under a millisecond (measured; librdkafka's pause and
     resume took ~700 ms to fetch again).
     """
-    from confluent_kafka import TopicPartition  # noqa: PLC0415 - worker process only
+    from confluent_kafka import OFFSET_BEGINNING, TopicPartition  # noqa: PLC0415 - worker only
 
     consumer = _consumer_for(options, partition)
-    consumer.assign([TopicPartition(options.topic, partition, start)])
+    # A store at 0 read nothing yet and misses nothing: it starts where the log begins now.
+    consumer.assign([TopicPartition(options.topic, partition, start or OFFSET_BEGINNING)])
     try:
         yield from _read_assigned(consumer, options, partition, start, end)
     finally:
@@ -378,7 +385,7 @@ def _read_assigned(
             if error is not None:
                 if error.retriable():
                     continue  # librdkafka retries by itself; the deadline bounds the wait
-                raise RuntimeError(f"reading {options.topic}[{partition}]: {error}")
+                raise _read_error(options.topic, partition, next_offset, error)
             offset = message.offset()
             if not next_offset <= offset < end:
                 continue  # resent from before the start, or fetched past this batch's end
@@ -402,6 +409,18 @@ def _read_assigned(
             next_offset = end  # the rest of the range holds no records (control batches)
     if columns["offset"]:
         yield _to_batch(columns)
+
+
+def _read_error(topic: str, partition: int, offset: int, error: Any) -> RuntimeError:
+    from confluent_kafka import KafkaError  # noqa: PLC0415 - worker process only
+
+    if error.code() == KafkaError._AUTO_OFFSET_RESET:
+        return RuntimeError(
+            f"reading {topic}[{partition}]: offset {offset} is outside the log (records deleted "
+            "by retention, or the topic recreated); the node rebuilds the partition from the "
+            f"log start ({error.str()})"
+        )
+    return RuntimeError(f"reading {topic}[{partition}]: {error}")
 
 
 def _position(consumer: Any, topic: str, partition: int) -> int:

@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Literal
 
 import structlog
 from aiokafka.client import AIOKafkaClient
 
 from common.clock import SHARED, now_ms
-from materializer.kafka_offsets import fetch_high_watermarks
+from materializer.kafka_offsets import LogBounds, fetch_log_bounds
 from materializer.store import Store
 
 log = structlog.get_logger("kroute.materializer.lag")
@@ -33,6 +34,14 @@ _END_HISTORY = 64  # end offsets remembered per partition: a minute at the defau
 # End offsets older than this are not reported (lag unknown): several refreshes (250 ms each by
 # default) failed in a row, so the broker is not being read.
 END_OFFSET_MAX_AGE_MS = 2_000
+
+# Where the store's position is when it is not inside the partition's log:
+# - past_end: beyond the high watermark: the topic was recreated or truncated (an unclean
+#   election, a broker restarted on memory storage). Nothing the store holds is known.
+# - below_start: before the log start: records the node never read were deleted (retention).
+#   The store misses them, and reading on would skip them silently.
+# Either way the partition is rebuilt from the log (see Node._rebuild_outside_log).
+OutsideLog = Literal["past_end", "below_start"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,13 +52,12 @@ class PartitionLag:
     newest_record_ms: int | None
     caught_up_at_ms: int | None
     end_offset_at_ms: int | None  # when end_offset was read
-    # The store's position is past the log's end: the topic was recreated or truncated (an
-    # unclean election, a broker restarted on memory storage). Nothing it holds is known.
-    outside_log: bool = False
+    outside_log: OutsideLog | None = None  # the store's position is not inside the log
+    log_start: int | None = None  # the log start offset, when the broker reports it
 
     @property
     def lag(self) -> int | None:
-        if self.end_offset is None or self.outside_log:
+        if self.end_offset is None or self.outside_log is not None:
             return None
         return max(self.end_offset - self.current_offset, 0)
 
@@ -57,7 +65,7 @@ class PartitionLag:
         """The end offset to report: None (lag unknown) once it is older than `max_age_ms`, as
         when the broker cannot be read; a report must not say lag 0 against an end offset
         from minutes ago while the store falls behind."""
-        if self.outside_log or self.end_offset_at_ms is None:
+        if self.outside_log is not None or self.end_offset_at_ms is None:
             return None
         return self.end_offset if at_ms - self.end_offset_at_ms <= max_age_ms else None
 
@@ -79,6 +87,7 @@ class PartitionLag:
             "time_lag_ms": self.time_lag_ms(at_ms),
             "newest_record_ms": self.newest_record_ms,
             "caught_up": self.lag == 0,
+            "outside_log": self.outside_log,
             "end_offset_age_ms": None
             if self.end_offset_at_ms is None
             else at_ms - self.end_offset_at_ms,
@@ -111,7 +120,7 @@ class LagTracker:
         try:
             # The nodes read committed records (see kafka_source): an open transaction's
             # records are not behind, they are not readable yet.
-            ends = await fetch_high_watermarks(
+            bounds = await fetch_log_bounds(
                 client, self._topic, partitions, positions=positions, timeout_s=2.0, stable=True
             )
         except Exception as exc:  # noqa: BLE001 - keep serving; the report says the ends are old
@@ -120,21 +129,29 @@ class LagTracker:
                     "cannot read end offsets; lag reports keep the last known ends", error=str(exc)
                 )
             self.broker_error = str(exc)
-            self.snapshot = self._build(None, now_ms())
+            self.keep_ends(now_ms())
             return
         self.broker_error = None
-        self.apply_ends(ends, asked_at)
+        self.apply_bounds(bounds, asked_at)
 
-    def apply_ends(self, ends: dict[int, int], asked_at_ms: int) -> None:
-        """Take the partitions' end offsets as they were at `asked_at_ms`."""
-        self.snapshot = self._build(ends, asked_at_ms)
+    def apply_bounds(self, bounds: Mapping[int, LogBounds], asked_at_ms: int) -> None:
+        """Take the partitions' logs as they were at `asked_at_ms`."""
+        self.snapshot = self._build(bounds, asked_at_ms)
+
+    def apply_ends(self, ends: Mapping[int, int], asked_at_ms: int) -> None:
+        """Take end offsets from a broker that does not report where its logs start."""
+        self.apply_bounds({p: LogBounds(None, end) for p, end in ends.items()}, asked_at_ms)
+
+    def keep_ends(self, at_ms: int) -> None:
+        """Take the store's positions; the broker could not be read, the ends stay as known."""
+        self.snapshot = self._build(None, at_ms)
 
     async def run(self, client: AIOKafkaClient, interval_s: float) -> None:
         while True:
             await self.refresh(client)
             await asyncio.sleep(interval_s)
 
-    def _build(self, ends: dict[int, int] | None, at_ms: int) -> dict[int, PartitionLag]:
+    def _build(self, bounds: Mapping[int, LogBounds] | None, at_ms: int) -> dict[int, PartitionLag]:
         previous = self.snapshot
         checkpoints = self._store.checkpoints()
         snapshot: dict[int, PartitionLag] = {}
@@ -142,27 +159,28 @@ class LagTracker:
             checkpoint = checkpoints.get(partition)
             current = checkpoint.next_offset if checkpoint else 0
             before = previous.get(partition)
+            recent = self._recent_ends.setdefault(partition, deque(maxlen=_END_HISTORY))
+            went_back = before is not None and current < before.current_offset
+            if went_back:
+                # The store went back (the partition was dropped, rebuilt or re-added): what
+                # it reached before says nothing about what it holds now.
+                recent.clear()
+            bound = bounds.get(partition) if bounds is not None else None
             end: int | None
             end_at: int | None
-            if ends is not None and partition in ends:
-                end, end_at = ends[partition], at_ms
+            log_start: int | None
+            if bound is not None:
+                end, end_at, log_start = bound.end, at_ms, bound.start
+                recent.append((bound.end, at_ms))
             else:
                 end = before.end_offset if before else None
                 end_at = before.end_offset_at_ms if before else None
-            recent = self._recent_ends.setdefault(partition, deque(maxlen=_END_HISTORY))
-            if ends is not None and partition in ends:
-                recent.append((ends[partition], at_ms))
-            caught_up_at = before.caught_up_at_ms if before else None
-            outside = end is not None and current > end
-            if outside:
-                if not (before and before.outside_log):
-                    log.error(
-                        "the store is past the end of the partition's log: the topic was "
-                        "recreated or truncated; its lag is unknown until it is rebuilt",
-                        partition=partition,
-                        store_position=current,
-                        end_offset=end,
-                    )
+                log_start = before.log_start if before else None
+            caught_up_at = before.caught_up_at_ms if before and not went_back else None
+            outside = _outside_log(current, log_start, end)
+            if outside is not None:
+                if not (before and before.outside_log == outside and not went_back):
+                    _log_outside(partition, outside, current, log_start, end)
             else:
                 for end_read, read_at in reversed(recent):
                     if current >= end_read:
@@ -176,5 +194,35 @@ class LagTracker:
                 caught_up_at_ms=caught_up_at,
                 end_offset_at_ms=end_at,
                 outside_log=outside,
+                log_start=log_start,
             )
         return snapshot
+
+
+def _outside_log(current: int, log_start: int | None, end: int | None) -> OutsideLog | None:
+    """Whether the store's position (the next offset to read) lies outside [log start, end].
+
+    Position 0 is never below the start: a store that read nothing misses nothing, and its
+    reader starts at the log's beginning."""
+    if end is not None and current > end:
+        return "past_end"
+    if log_start is not None and 0 < current < log_start:
+        return "below_start"
+    return None
+
+
+def _log_outside(
+    partition: int, outside: OutsideLog, current: int, log_start: int | None, end: int | None
+) -> None:
+    what = (
+        "the store is past the end of the partition's log: the topic was recreated or truncated"
+        if outside == "past_end"
+        else "records the store never read were deleted from the log (retention)"
+    )
+    log.error(
+        f"{what}; its lag is unknown until the partition is rebuilt from the log",
+        partition=partition,
+        store_position=current,
+        log_start=log_start,
+        end_offset=end,
+    )

@@ -112,7 +112,7 @@ class Node:
         self._cluster_task: asyncio.Task[None] | None = None
         self._generation = 0
         self._drop_timers: dict[int, asyncio.TimerHandle] = {}
-        self._tasks: set[asyncio.Future[None]] = set()
+        self._tasks: set[asyncio.Future[object]] = set()
         self._started_at_ms = now_ms()
         self._hosted_since: dict[int, int] = {}  # partition -> when this node began hosting it
         self._stalled: frozenset[int] = frozenset()  # as last logged
@@ -174,7 +174,40 @@ class Node:
             if recovered := self._stalled - stalled:
                 log.info("stalled partitions moving again", partitions=sorted(recovered))
             self._stalled = stalled
+            await self._rebuild_outside_log()
             await asyncio.sleep(interval_s)
+
+    async def _rebuild_outside_log(self) -> None:
+        """Read again from the log's beginning every hosted partition whose store position is
+        outside the log (see `OutsideLog`): what the store holds cannot be trusted, and
+        reading on from its position would read nothing or skip records silently. Until the
+        store catches up again the partition reports itself not caught up (lag from 0)."""
+        snapshot = self.state.lag.snapshot
+        outside = sorted(
+            p for p in self.state.hosted if (lag := snapshot.get(p)) and lag.outside_log
+        )
+        if not outside:
+            return
+        log.warning(
+            "rebuilding partitions whose store is outside the log",
+            partitions=outside,
+            why={p: snapshot[p].outside_log for p in outside},
+        )
+        if self.pipeline is None:  # Spark is starting: nothing writes the store yet
+            self._reset(outside)
+            return
+        reset = await asyncio.to_thread(self.pipeline.replan, lambda: self._reset(outside))
+        if not reset:
+            log.error("could not pause the pipeline to rebuild; trying again", partitions=outside)
+
+    def _reset(self, partitions: list[int]) -> None:
+        """Empty these partitions' stores (values and checkpoints): the next plan reads them
+        from the log start. Runs while no batch can write the store."""
+        at = now_ms()
+        for partition in partitions:
+            self.store.drop_partition(partition)
+            self.store.add_partition(partition)
+            self._hosted_since[partition] = at  # a fresh start for the stall clock
 
     def plan(self) -> QueryPlan:
         checkpoints = self.store.checkpoints()
@@ -323,7 +356,7 @@ class Node:
             if self.pipeline is not None:
                 self._background(asyncio.to_thread(self.pipeline.replan))
 
-    def _background(self, work: Coroutine[Any, Any, None]) -> None:
+    def _background(self, work: Coroutine[Any, Any, object]) -> None:
         task = asyncio.ensure_future(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -427,7 +460,9 @@ class Node:
                 current_offset=lag.current_offset,
                 end_offset=lag.known_end(at),  # unknown once the broker is not being read
                 newest_record_ms=lag.newest_record_ms,
-                caught_up_at_ms=None if partition in stalled else lag.caught_up_at_ms,
+                caught_up_at_ms=None
+                if partition in stalled or lag.outside_log
+                else lag.caught_up_at_ms,
                 updated_at_ms=at,
             )
             for partition, lag in self.state.lag.snapshot.items()

@@ -198,18 +198,37 @@ class Pipeline:
         self._thread.join(timeout_s)
         self._remove_checkpoint_dir()
 
-    def replan(self) -> None:
-        """Restart the query on the current plan (the hosted partitions changed)."""
-        with self._lock:
-            self._generation += 1
-            generation, query = self._generation, self._query
+    def replan(self, between_batches: Callable[[], None] | None = None) -> bool:
+        """Restart the query on the current plan (the hosted partitions changed).
+
+        `between_batches` runs while no batch can reach the store, and every batch of the
+        current query is outdated from then on: the moment to reset a partition's store.
+        False when it could not run (a batch held the store for 30 s); nothing changed then."""
+        if between_batches is None:
+            generation, query = self._next_generation()
+            self._await_batch_end(30.0)
+        else:
+            if not self._batch_lock.acquire(timeout=30.0):
+                return False
+            try:
+                between_batches()
+                # Bumped before the lock is released: a batch waiting for it is skipped, and
+                # a plan read after the bump sees the reset store.
+                generation, query = self._next_generation()
+            finally:
+                self._batch_lock.release()
         self._replanned.set()
         log.info("re-plan asked for", generation=generation)
-        self._await_batch_end(30.0)
         # A query that is still starting is not `self._query` yet: the supervisor stops it as
         # soon as start() returns, since it was planned at an older generation.
         if query is not None and query.isActive:
             query.stop()  # awaitTermination returns; the supervisor starts the new plan at once
+        return True
+
+    def _next_generation(self) -> tuple[int, StreamingQuery | None]:
+        with self._lock:
+            self._generation += 1
+            return self._generation, self._query
 
     def _await_batch_end(self, timeout_s: float) -> None:
         """Let the batch being applied finish before the query is stopped.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from materializer.kafka_offsets import LogBounds
 from materializer.lag import LagTracker
 from materializer.store import Row, Store
 
@@ -14,10 +15,10 @@ def test_steady_writes_still_give_a_time_lag_bound(tmp_path):
     store.add_partition(0)
     tracker = LagTracker(store, "bookings", lambda: (0,))
     try:
-        tracker.snapshot = tracker._build({0: 10}, 1_000)  # end 10 read at t=1000; store at 0
+        tracker.apply_ends({0: 10}, 1_000)  # end 10 read at t=1000; store at 0
         assert tracker.snapshot[0].caught_up_at_ms is None
         store.apply(0, [Row(b"k", b"v", 9, 900)], 10, 900)  # the store passes offset 10 ...
-        tracker.snapshot = tracker._build({0: 14}, 2_000)  # ... while 4 more were written
+        tracker.apply_ends({0: 14}, 2_000)  # ... while 4 more were written
         lag = tracker.snapshot[0]
         assert lag.lag == 4
         assert lag.caught_up_at_ms == 1_000
@@ -31,9 +32,9 @@ def test_a_store_behind_the_last_end_offset_is_not_caught_up(tmp_path):
     store.add_partition(0)
     tracker = LagTracker(store, "bookings", lambda: (0,))
     try:
-        tracker.snapshot = tracker._build({0: 10}, 1_000)
+        tracker.apply_ends({0: 10}, 1_000)
         store.apply(0, [Row(b"k", b"v", 8, 900)], 9, 900)  # one short of the end read
-        tracker.snapshot = tracker._build({0: 14}, 2_000)
+        tracker.apply_ends({0: 14}, 2_000)
         assert tracker.snapshot[0].caught_up_at_ms is None
         assert tracker.snapshot[0].time_lag_ms(2_500) is None
     finally:
@@ -48,9 +49,9 @@ def test_micro_batches_longer_than_the_refresh_interval_still_catch_up(tmp_path)
     tracker = LagTracker(store, "bookings", lambda: (0,))
     try:
         for second, end in enumerate((10, 20, 30), start=1):
-            tracker.snapshot = tracker._build({0: end}, second * 1_000)
+            tracker.apply_ends({0: end}, second * 1_000)
         store.apply(0, [Row(b"k", b"v", 19, 900)], 20, 900)  # reached the end read at t=2000
-        tracker.snapshot = tracker._build({0: 40}, 4_000)
+        tracker.apply_ends({0: 40}, 4_000)
         assert tracker.snapshot[0].caught_up_at_ms == 2_000
         assert tracker.snapshot[0].time_lag_ms(4_000) == 2_000
     finally:
@@ -66,10 +67,10 @@ def test_a_store_past_the_end_of_the_log_is_never_caught_up(tmp_path):
     tracker = LagTracker(store, "bookings", lambda: (0,))
     try:
         store.apply(0, [Row(b"k", b"v", 99, 900)], 100, 900)
-        tracker.snapshot = tracker._build({0: 100}, 1_000)  # caught up at t=1000
+        tracker.apply_ends({0: 100}, 1_000)  # caught up at t=1000
         assert tracker.snapshot[0].caught_up_at_ms == 1_000
         for second in (2, 3, 4):  # the log now ends at 5
-            tracker.snapshot = tracker._build({0: 5}, second * 1_000)
+            tracker.apply_ends({0: 5}, second * 1_000)
         lag = tracker.snapshot[0]
         assert lag.outside_log
         assert lag.lag is None
@@ -88,12 +89,69 @@ def test_an_end_offset_that_is_no_longer_read_is_not_reported(tmp_path):
     tracker = LagTracker(store, "bookings", lambda: (0,))
     try:
         store.apply(0, [Row(b"k", b"v", 9, 900)], 10, 900)
-        tracker.snapshot = tracker._build({0: 10}, 1_000)
+        tracker.apply_ends({0: 10}, 1_000)
         for second in (2, 3, 4):  # refreshes that could not read the broker
-            tracker.snapshot = tracker._build(None, second * 1_000)
+            tracker.keep_ends(second * 1_000)
         lag = tracker.snapshot[0]
         assert lag.end_offset == 10  # still known for serving
         assert lag.known_end(1_500) == 10
         assert lag.known_end(4_000) is None  # too old to report
+    finally:
+        store.close()
+
+
+def test_a_store_whose_next_records_were_deleted_is_outside_the_log(tmp_path):
+    """Retention deleted records 10..49 before the node read them: reading on from the log
+    start would skip them silently. The partition is not caught up and its lag is unknown."""
+    store = Store(tmp_path / "store")
+    store.add_partition(0)
+    store.add_partition(1)
+    tracker = LagTracker(store, "bookings", lambda: (0, 1))
+    try:
+        store.apply(0, [Row(b"k", b"v", 9, 900)], 10, 900)
+        tracker.apply_bounds({0: LogBounds(50, 80), 1: LogBounds(50, 80)}, 1_000)
+        behind, fresh = tracker.snapshot[0], tracker.snapshot[1]
+        assert behind.outside_log == "below_start"
+        assert behind.lag is None
+        assert behind.known_end(1_000) is None
+        assert behind.caught_up_at_ms is None
+        # A store that read nothing misses nothing: its reader starts at the log start.
+        assert fresh.outside_log is None
+        assert fresh.lag == 80
+    finally:
+        store.close()
+
+
+def test_a_store_at_the_log_start_is_inside_the_log(tmp_path):
+    store = Store(tmp_path / "store")
+    store.add_partition(0)
+    tracker = LagTracker(store, "bookings", lambda: (0,))
+    try:
+        store.apply(0, [Row(b"k", b"v", 49, 900)], 50, 900)
+        tracker.apply_bounds({0: LogBounds(50, 50)}, 1_000)
+        assert tracker.snapshot[0].outside_log is None
+        assert tracker.snapshot[0].caught_up_at_ms == 1_000
+    finally:
+        store.close()
+
+
+def test_a_partition_dropped_and_added_again_does_not_keep_its_old_caught_up_time(tmp_path):
+    """Within one refresh interval the partition was dropped and re-added (or rebuilt): the
+    position went back to 0, and the old `caught_up_at` would make an empty store look fresh."""
+    store = Store(tmp_path / "store")
+    store.add_partition(0)
+    tracker = LagTracker(store, "bookings", lambda: (0,))
+    try:
+        store.apply(0, [Row(b"k", b"v", 9, 900)], 10, 900)
+        tracker.apply_ends({0: 10}, 1_000)
+        assert tracker.snapshot[0].caught_up_at_ms == 1_000
+        store.drop_partition(0)
+        store.add_partition(0)
+        tracker.keep_ends(1_100)  # no broker answer in between
+        assert tracker.snapshot[0].current_offset == 0
+        assert tracker.snapshot[0].caught_up_at_ms is None
+        assert tracker.snapshot[0].time_lag_ms(1_100) is None
+        tracker.apply_ends({0: 10}, 1_200)  # the end read at 1_000 is history: not reached
+        assert tracker.snapshot[0].caught_up_at_ms is None
     finally:
         store.close()

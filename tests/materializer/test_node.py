@@ -184,3 +184,37 @@ def test_trigger_interval_spaces_micro_batches_under_a_trickle_of_writes(
     finally:
         node.process.stop()
         node.close()
+
+
+def test_a_broker_restarted_empty_makes_the_node_rebuild_from_the_new_log(embedded, tmp_path):
+    """The broker kept its log in memory and restarted: the topic is back, shorter, with other
+    records, while the node kept its store. Positions past the new ends must not pass for
+    "caught up" with the old values: the node rebuilds each partition from the new log and
+    then serves exactly what the new log holds (old keys are gone)."""
+    port = free_port()
+    bootstrap, topic = f"127.0.0.1:{port}", "restarted"
+    broker = embedded.start_broker(port=port)
+    create_topics(bootstrap, {topic: PARTITIONS})
+    produce_customers(bootstrap, topic, 500, keys=50, seed=5, deletes=0)
+    node = start_node(embedded, bootstrap, topic, tmp_path / "data", **NODE)
+    try:
+        node.wait_caught_up(ends_of(bootstrap, topic), timeout_s=180)
+        broker.process.stop()
+        broker = embedded.start_broker(port=port)  # memory storage: an empty log
+        create_topics(bootstrap, {topic: PARTITIONS})
+        produce_customers(bootstrap, topic, 60, keys=20, seed=7, deletes=0)
+        node.wait_caught_up(ends_of(bootstrap, topic), timeout_s=120)
+        truth, _ = ground_truth(bootstrap, topic, PARTITIONS)
+        assert_serves_truth(node, truth, customer_keys(50))
+        assert all(p["lag"] == 0 for p in node.metadata()["partitions"])
+        rebuilt = [
+            json.loads(line)
+            for line in node.process.log_path.read_text().splitlines()
+            if "rebuilding partitions whose store is outside the log" in line
+        ]
+        assert rebuilt, "the node must say why it dropped what it held"
+        assert set(rebuilt[0]["why"].values()) == {"past_end"}
+    finally:
+        node.process.stop()
+        node.close()
+        broker.process.stop()

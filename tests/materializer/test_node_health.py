@@ -105,3 +105,19 @@ def test_pipeline_status_says_when_the_last_batch_was_applied_and_the_last_error
     assert status["last_batch_applied_at_ms"] == node.pipeline.state().last_batch_at_ms
     assert status["last_error"] == "ValueError: poison"
     assert status["restarts"] == 7
+
+
+def test_a_partition_outside_the_log_is_reported_unknown_and_reset_to_read_again(node):
+    """The log was recreated shorter than the store's position: the report must not carry the
+    old caught-up time, and the reset empties the store (values and checkpoint) so the next
+    plan reads the partition from the start of the new log."""
+    at = now_ms()
+    node.state.lag.apply_ends({0: 8, 1: 8}, at)
+    assert node._reports()[0].caught_up_at_ms is not None
+    node.state.lag.apply_ends({0: 3, 1: 8}, at + 1)  # partition 0's log now ends at 3
+    report = node._reports()[0]
+    assert (report.caught_up_at_ms, report.end_offset, report.lag) == (None, None, None)
+    assert node._reports()[1].caught_up_at_ms is not None, "partition 1 is untouched"
+    node._reset([0])
+    assert node.store.get(0, b"k") is None
+    assert node.plan().starting_offsets == {0: 0, 1: 8}
