@@ -29,3 +29,22 @@ class StoreError(MaterializerError):
 
 class StoreCorrupted(StoreError):
     """RocksDB reported corruption on open (damaged or missing files, not a held lock)."""
+
+
+_TRACEBACK = "Traceback (most recent call last):"
+
+
+def first_line(exc: BaseException) -> str:
+    """An exception as one short line. Spark's carry whole tracebacks (a failed query's, a
+    Python worker's, with the query's plan after them): the line that says what happened is
+    the exception line of the last Python traceback ("ValueError: poison record"), not the
+    first line ("An exception was thrown from the Python worker ...")."""
+    text = str(exc).strip()
+    if _TRACEBACK in text:
+        after = text.rsplit(_TRACEBACK, 1)[1].splitlines()[1:]
+        # Frames are indented; the first line that is not is the exception itself.
+        raised = next((line for line in after if line.strip() and not line[0].isspace()), None)
+        if raised is not None:
+            return f"{type(exc).__name__}: {raised.strip()}"[:500]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[0]}"[:500] if lines else type(exc).__name__

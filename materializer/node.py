@@ -36,6 +36,9 @@ from partitioner import KeyPartitioner
 
 log = structlog.get_logger("kroute.materializer.node")
 
+# How long a store must stay outside its partition's log before it is rebuilt.
+OUTSIDE_LOG_CONFIRM_MS = 2_000
+
 
 class _Server(uvicorn.Server):
     @contextlib.contextmanager
@@ -116,6 +119,7 @@ class Node:
         self._started_at_ms = now_ms()
         self._hosted_since: dict[int, int] = {}  # partition -> when this node began hosting it
         self._stalled: frozenset[int] = frozenset()  # as last logged
+        self._outside_since: dict[int, int] = {}  # partition -> first seen outside its log
 
     def _pipeline_status(self) -> dict[str, Any]:
         pipeline = self.pipeline
@@ -183,8 +187,13 @@ class Node:
         reading on from its position would read nothing or skip records silently. Until the
         store catches up again the partition reports itself not caught up (lag from 0)."""
         snapshot = self.state.lag.snapshot
+        at = now_ms()
+        seen = {p for p in self.state.hosted if (lag := snapshot.get(p)) and lag.outside_log}
+        self._outside_since = {p: self._outside_since.get(p, at) for p in seen}
+        # A high watermark can dip for a moment after a leader change while the log still
+        # holds the records: rebuild only what stays outside (reported unknown meanwhile).
         outside = sorted(
-            p for p in self.state.hosted if (lag := snapshot.get(p)) and lag.outside_log
+            p for p, since in self._outside_since.items() if at - since >= OUTSIDE_LOG_CONFIRM_MS
         )
         if not outside:
             return
@@ -208,6 +217,7 @@ class Node:
             self.store.drop_partition(partition)
             self.store.add_partition(partition)
             self._hosted_since[partition] = at  # a fresh start for the stall clock
+            self._outside_since.pop(partition, None)  # the snapshot still shows the old store
 
     def plan(self) -> QueryPlan:
         checkpoints = self.store.checkpoints()

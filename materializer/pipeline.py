@@ -37,10 +37,11 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.streaming.query import StreamingQuery
 
 from common.clock import now_ms
+from materializer.errors import first_line
 from materializer.kafka_source import SOURCE_NAME, KafkaDataSource, SourceOptions
 from materializer.lag import PartitionLag
 from materializer.settings import NodeSettings
-from materializer.sink import BatchSink, first_line
+from materializer.sink import BatchSink
 
 log = structlog.get_logger("kroute.materializer.pipeline")
 

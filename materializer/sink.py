@@ -29,6 +29,7 @@ import structlog
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F  # noqa: N812 - Spark's own convention
 
+from materializer.errors import first_line
 from materializer.store import Row, Store
 from materializer.transform import (
     CHANGE_COLUMNS,
@@ -143,6 +144,7 @@ class BatchSink:
             part_changes = changes.filter(in_partition).sort_by("offset")
             rows = _rows(part_changes, self._rules.value_format == "json", problems)
             result = self._store.apply(partition, rows, next_offset, newest, self._transform.merge)
+            problems.extend(result.merge_failures)  # poison rows for the merge hook: skipped
             self._report_problems(batch_id, partition, problems)
             written += result.written
         with self._stats.lock:
@@ -282,22 +284,3 @@ def _rows(changes: pa.Table, strict_json: bool, problems: list[tuple[int, str]])
                 problems.append((offset, "value is not valid JSON"))
                 continue
         yield Row(key, value, offset, timestamp)
-
-
-_TRACEBACK = "Traceback (most recent call last):"
-
-
-def first_line(exc: BaseException) -> str:
-    """An exception as one short line. Spark's carry whole tracebacks (a failed query's, a
-    Python worker's, with the query's plan after them): the line that says what happened is
-    the exception line of the last Python traceback ("ValueError: poison record"), not the
-    first line ("An exception was thrown from the Python worker ...")."""
-    text = str(exc).strip()
-    if _TRACEBACK in text:
-        after = text.rsplit(_TRACEBACK, 1)[1].splitlines()[1:]
-        # Frames are indented; the first line that is not is the exception itself.
-        raised = next((line for line in after if line.strip() and not line[0].isspace()), None)
-        if raised is not None:
-            return f"{type(exc).__name__}: {raised.strip()}"[:500]
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return f"{type(exc).__name__}: {lines[0]}"[:500] if lines else type(exc).__name__

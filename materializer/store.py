@@ -21,14 +21,14 @@ import shutil
 import struct
 import threading
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
 from rocksdict import ColumnFamily, Options, Rdict, WriteBatch, WriteOptions
 
 from common.clock import now_ms
-from materializer.errors import StoreCorrupted, StoreError
+from materializer.errors import StoreCorrupted, StoreError, first_line
 
 _VALUE_HEADER = struct.Struct(">qq")  # record offset, record timestamp (ms)
 _CHECKPOINT = struct.Struct(">qqq")  # next offset, newest record time (ms), updated at (ms)
@@ -77,6 +77,17 @@ class ApplyResult:
     written: int
     skipped_already_applied: int
     checkpoint: Checkpoint
+    merge_failures: list[tuple[int, str]] = field(default_factory=list)  # (offset, why)
+
+
+class MergeBroken(RuntimeError):
+    """The merge hook raised on every row of a sizeable batch: it is broken, not the data.
+    Skipping all would empty the store silently; failing the batch stalls the partition
+    visibly (not ready, with this reason) until the hook is fixed."""
+
+
+# A merge that fails on every row of a batch at least this big is broken (MergeBroken).
+MERGE_BROKEN_AFTER = 10
 
 
 log = structlog.get_logger("kroute.materializer.store")
@@ -260,6 +271,7 @@ class Store:
             batch = WriteBatch(raw_mode=True)
             pending: dict[bytes, bytes | None] = {}  # merges see this batch's earlier rows
             written = skipped = 0
+            failures: list[tuple[int, str]] = []
             for row in rows:
                 if row.offset < applied_up_to:
                     skipped += 1
@@ -272,7 +284,11 @@ class Store:
                         if row.key in pending
                         else _value_of(column_family.get(row.key))
                     )
-                    merged = merge(previous, row.value)
+                    try:
+                        merged = merge(previous, row.value)
+                    except Exception as exc:  # noqa: BLE001 - user code: a poison row is skipped
+                        failures.append((row.offset, f"merge failed: {first_line(exc)}"))
+                        continue  # the key keeps its value
                 pending[row.key] = merged
                 if merged is None:
                     batch.delete(row.key, handle)
@@ -281,6 +297,11 @@ class Store:
                     batch.put(row.key, _VALUE_HEADER.pack(row.offset, timestamp) + merged, handle)
                 written += 1
 
+            if len(failures) >= MERGE_BROKEN_AFTER and written == 0:
+                raise MergeBroken(
+                    f"the merge failed on all {len(failures)} rows of a batch of partition "
+                    f"{partition}, e.g. at offset {failures[0][0]}: {failures[0][1]}"
+                )
             newest = _newer(current.newest_record_ms if current else None, newest_record_ms)
             checkpoint = Checkpoint(next_offset, newest, now_ms())
             batch.put(
@@ -291,7 +312,7 @@ class Store:
                 self._checkpoints_handle,
             )
             self._db.write(batch)
-            return ApplyResult(written, skipped, checkpoint)
+            return ApplyResult(written, skipped, checkpoint, failures)
 
     def close(self) -> None:
         """Flush and release the directory's lock (column family objects hold the DB open)."""

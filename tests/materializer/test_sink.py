@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
+from materializer.errors import first_line
 from materializer.kafka_source import SCHEMA
-from materializer.sink import BatchSink, IngestStats, first_line
+from materializer.sink import BatchSink, IngestStats
 from materializer.store import Store
 from materializer.transform import KTABLE, RecordRules, Transform
 from tests.materializer.poison_transform import (

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from materializer.errors import StoreCorrupted, StoreError
-from materializer.store import Row, Store, open_or_rebuild
+from materializer.store import MERGE_BROKEN_AFTER, MergeBroken, Row, Store, open_or_rebuild
 
 
 def rows(*triples):
@@ -194,3 +194,32 @@ def test_dropping_a_partition_removes_its_checkpoint_first(tmp_path):
     finally:
         store._db = real_db
         store.close()
+
+
+def _count_or_fail(previous: bytes | None, new: bytes | None) -> bytes | None:
+    if new == b"poison":
+        raise ValueError("cannot merge poison")
+    count = json.loads(previous)["count"] if previous else 0
+    return json.dumps({"count": count + 1}).encode()
+
+
+def test_a_row_the_merge_fails_on_is_skipped_and_reported_the_rest_applied(store):
+    result = store.apply(
+        0,
+        rows((b"c", b"x", 0), (b"c", b"poison", 1), (b"c", b"x", 2), (b"d", b"x", 3)),
+        4,
+        None,
+        merge=_count_or_fail,
+    )
+    assert result.merge_failures == [(1, "merge failed: ValueError: cannot merge poison")]
+    assert result.written == 3
+    assert json.loads(store.get(0, b"c").value) == {"count": 2}, "the poison row changed nothing"
+    assert store.checkpoint(0).next_offset == 4, "the partition moves on past it"
+
+
+def test_a_merge_that_fails_on_every_row_is_broken_and_nothing_is_written(store):
+    poison = [(b"k%d" % i, b"poison", i) for i in range(MERGE_BROKEN_AFTER)]
+    with pytest.raises(MergeBroken, match="failed on all"):
+        store.apply(0, rows(*poison), MERGE_BROKEN_AFTER, None, merge=_count_or_fail)
+    assert store.checkpoint(0) is None or store.checkpoint(0).next_offset == 0
+    assert store.get(0, b"k0") is None
