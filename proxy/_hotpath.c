@@ -12,8 +12,9 @@
  * byte for byte (tests/proxy/test_hotpath.py compares the two on generated requests), or it
  * does nothing at all and hands the same bytes to the Python path (`slow_data_received`),
  * which owns every other case: partial reads, pipelining, bodies, limits, errors, budgets by
- * header, percent-encoded keys, unknown stores, 421s, failover, timeouts. Parsing is llhttp,
- * the parser httptools (the Python path) is built on, vendored in proxy/_llhttp.
+ * header, percent-encoded keys, unknown stores, retry statuses (421 by default), failover,
+ * timeouts. Parsing is llhttp, the parser httptools (the Python path) is built on, vendored in
+ * proxy/_llhttp.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -1154,10 +1155,12 @@ static int answer_fast(UpstreamBase *self, const char *data, Py_ssize_t length) 
     Message m;
     if (!parse_whole(&parser, HTTP_RESPONSE, &m, data, length)) return 0;
     int status = llhttp_get_status_code(&parser);
-    /* Python frames the rest: 1xx (absorbed), 421 (failover), and answers without a body
-     * whose Content-Length, if any, is the node's (HEAD, 304) or must go (204). */
-    if (status < 200 || status >= STATUS_SLOTS || status == 421 || status == 204 ||
-        status == 304 || self->head_only)
+    /* Python frames the rest: 1xx (absorbed), answers without a body whose Content-Length,
+     * if any, is the node's (HEAD, 304) or must go (204), and statuses with no status line
+     * (below): the proxy leaves the retry statuses (KROUTE_RETRY_STATUSES) out of the lines
+     * it gives the hub, so failover is decided in one place, proxy.exchange. */
+    if (status < 200 || status >= STATUS_SLOTS || status == 204 || status == 304 ||
+        self->head_only)
         return 0;
     if ((long long)m.body_length > hub->max_response_bytes) return 0;
     if (m.body != NULL && m.body + m.body_length != data + length) return 0;

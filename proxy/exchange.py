@@ -3,11 +3,14 @@
 Callback style, no task per request: `start` sends to the first candidate over the pool, and
 the exchange, as the pool's `ResponseSink`, either answers the client or moves to the next
 candidate. Failover happens only for idempotent requests, only on failures that say nothing
-was served (connect failed, connection reset, timeout) or on a node's 421 ("not mine": the
-table is refreshed), only before any byte of the answer went to the client, and only within
-the retry budget (`proxy.retry_budget`), so a sick cluster is not hit with a multiple of its
-load. A malformed or oversized answer is a 502 for that request: the node is not down, so it
-is neither ejected nor retried.
+was served (connect failed, connection reset, timeout) or on a keyed request's answer with a
+retry status (KROUTE_RETRY_STATUSES, 421 by default: "not mine or not ready"; the table is
+refreshed, the node is not ejected), only before any byte of the answer went to the client,
+and only within the retry budget (`proxy.retry_budget`), so a sick cluster is not hit with a
+multiple of its load. When no replica is left to ask, the last retry-status answer is passed
+on as the node sent it (a 404 from every replica is the key's real answer). A malformed or
+oversized answer is a 502 for that request: the node is not down, so it is neither ejected
+nor retried.
 
 An answer longer than the pool's buffer is streamed: its head goes to the client, then its
 body as it arrives, with the client's back-pressure pausing the node's connection. A node
@@ -15,7 +18,7 @@ that fails mid-stream cannot be failed over any more (the client has part of an 
 the client's connection is closed without completing the answer, as HAProxy and Envoy do.
 
 A request the C path (`proxy._hotpath`) forwarded is adopted by an exchange here when it
-cannot be finished in C (a failure, a 421, a response that is not whole and simple):
+cannot be finished in C (a failure, a retry status, a response that is not whole and simple):
 `adopt` rebuilds the exchange from what the connection kept and it goes on as if it had
 started here.
 """
@@ -132,6 +135,8 @@ class ExchangeContext:
     retry_budget: RetryBudget
     access_log: bool = False
     in_flight: int = 0
+    # Statuses meaning "not mine or not ready, ask the next replica" (KROUTE_RETRY_STATUSES).
+    retry_statuses: frozenset[int] = frozenset({421})
 
 
 class Exchange:
@@ -261,10 +266,10 @@ class Exchange:
         self, connection: UpstreamConnection, head: ResponseHead, body: bytes, complete: bool
     ) -> None:
         target = self.targets[self._attempt].target
-        if head.status == 421 and self.store is not None:
+        if self._is_retry_status(head.status):
             ProxyMetrics.bump(self._ctx.metrics.misdirected, target.node_id)
-            self._ctx.refresh_table()
-            self._tried.append({"node": target.node_id, "outcome": "421 misdirected"})
+            self._ctx.refresh_table()  # the node may be telling us the table is out of date
+            self._tried.append({"node": target.node_id, "outcome": f"{head.status} (retry)"})
             if self._may_retry():
                 if not complete:
                     connection.abandon()  # the rest of a long "not mine" is not worth reading
@@ -301,6 +306,19 @@ class Exchange:
             self._bad_answer(target, failure)
         else:
             self._failed(target, failure)
+
+    def _is_retry_status(self, status: int) -> bool:
+        """A keyed request's "not mine or not ready" answer. The node answered, so it is not
+        ejected: the answer is about one partition, and the node serves others. 421 says the
+        request was not processed (RFC 9110 15.5.20), so any method may be resent; another
+        status only an idempotent request (keyed routes take GET and HEAD only, so today
+        every keyed request). A request that matched no route has no partition to be wrong
+        about: its answer is passed on whatever it is."""
+        return (
+            self.store is not None
+            and status in self._ctx.retry_statuses
+            and (self.idempotent or status == 421)
+        )
 
     # -- failures ------------------------------------------------------------------------------
 

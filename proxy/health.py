@@ -2,9 +2,12 @@
 
 A node whose connection was refused, reset or timed out is ejected: chosen only when no other
 replica qualifies (a last resort, see proxy.choice) for at least `eject_ms`, and after that
-until its heartbeat in Redis is alive *and* an HTTP probe of `/health/live` gets any answer
-below 500. The ejected set is an immutable frozenset swapped on
-change, so the replica choice (pure) takes it as a plain value.
+until its heartbeat in Redis is alive *and* an HTTP probe of the health path
+(KROUTE_HEALTH_PATH, `/health/live` by default) gets any answer below 500: a process that
+answers at all is up, even if it does not know the path; a 5xx says it is not. The path is one
+for every node, not per store: a probe asks about a node, and one node serves many stores.
+The ejected set is an immutable frozenset swapped on change, so the replica choice (pure)
+takes it as a plain value.
 """
 
 from __future__ import annotations
@@ -27,10 +30,12 @@ class Ejections:
         eject_ms: int,
         probe_interval_ms: int,
         probe_timeout_s: float,
+        health_path: str = "/health/live",
         on_change: Callable[[], None] = lambda: None,
     ) -> None:
         self.eject_ms = eject_ms
         self.probe_interval_ms = probe_interval_ms
+        self.health_path = health_path
         self.ejected: frozenset[str] = frozenset()
         self._since: dict[str, tuple[int, str]] = {}  # node -> (ejected at, url)
         self.on_change = on_change  # the handler drops its cached choices
@@ -76,7 +81,7 @@ class Ejections:
 
     async def _probe(self, url: str) -> bool:
         try:
-            response = await self._client.get(url.rstrip("/") + "/health/live")
+            response = await self._client.get(url.rstrip("/") + self.health_path)
         except httpx.HTTPError:
             return False
         return response.status_code < 500

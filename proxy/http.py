@@ -72,9 +72,13 @@ def status_line(status: int) -> bytes:
     return line
 
 
-def status_lines() -> dict[int, bytes]:
-    """Every status line the C path may send, as status_line writes them."""
-    return {int(status): status_line(int(status)) for status in HTTPStatus}
+def status_lines(leave_out: frozenset[int] = frozenset()) -> dict[int, bytes]:
+    """Every status line the C path may send, as status_line writes them. An answer whose
+    status has no line here is handed to the Python exchange: the proxy leaves out the retry
+    statuses (KROUTE_RETRY_STATUSES), so one rule decides failover on both paths."""
+    return {
+        int(status): status_line(int(status)) for status in HTTPStatus if status not in leave_out
+    }
 
 
 def connection_named(headers: list[tuple[bytes, bytes]]) -> frozenset[bytes]:

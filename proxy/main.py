@@ -61,9 +61,11 @@ class Proxy:
             **({"ssl_ca_certs": settings.redis_ca_file} if settings.redis_ca_file else {}),
         )
         # The C path serves the common case; with the access log on, every request takes the
-        # Python path (which logs each one).
+        # Python path (which logs each one). Answers with a retry status have no status line
+        # in C, so the C path hands them to the Python exchange, which fails over.
+        retry_statuses = settings.retry_status_codes()
         self.hub = Hub(
-            status_lines=status_lines(),
+            status_lines=status_lines(leave_out=retry_statuses),
             request_drop=tuple(sorted(DROP_FROM_REQUEST)),
             response_drop=tuple(sorted(DROP_FROM_RESPONSE)),
             python_only=BODY_HEADERS + BUDGET_HEADERS,
@@ -89,6 +91,7 @@ class Proxy:
             eject_ms=settings.eject_ms,
             probe_interval_ms=settings.probe_interval_ms,
             probe_timeout_s=settings.connect_timeout_ms / 1000 + 0.5,
+            health_path=settings.health_path,
         )
         self.watcher = TableWatcher(
             self.redis,
@@ -108,6 +111,7 @@ class Proxy:
                 pending=self.hub.take_deposits,
             ),
             access_log=settings.access_log,
+            retry_statuses=retry_statuses,
         )
         self.handler = RequestHandler(
             routes=RouteTable(settings.route_specs()),

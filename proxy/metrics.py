@@ -177,7 +177,8 @@ class MetricsCollector(Collector):
             ("kroute_proxy_no_replica", "503s: no replica qualified", "store", m.no_replica),
             (
                 "kroute_proxy_misdirected",
-                "421s from nodes (table refreshed)",
+                "Answers with a retry status (KROUTE_RETRY_STATUSES, e.g. 421) from nodes to keyed "
+                "requests (table refreshed; the next replica, if any, is asked)",
                 "node",
                 m.misdirected,
             ),

@@ -159,11 +159,22 @@ class ProxySettings(EnvSettings):
         ge=0,
         le=600_000,
         description="A node that failed is tried only after every other qualifying replica for "
-        "at least this long, then until a probe of /health/live succeeds and its heartbeat is "
-        "alive.",
+        "at least this long, then until a probe of KROUTE_HEALTH_PATH succeeds and its heartbeat "
+        "is alive.",
     )
     probe_interval_ms: int = Field(
         default=250, ge=10, le=60_000, description="How often ejected nodes are probed."
+    )
+    health_path: str = Field(
+        default="/health/live",
+        description="Path probed on an ejected node (any answer below 500 brings it back), the "
+        "same on every node: for services whose health check lives elsewhere, e.g. /healthz.",
+    )
+    retry_statuses: str = Field(
+        default="421",
+        description="Comma-separated statuses (400-599) meaning 'not mine or not ready': a keyed "
+        "request so answered goes to the next replica (the node is not ejected); when every "
+        "replica answers one, the last answer is passed on. Empty: none. E.g. 421,404,503.",
     )
     refresh_interval_ms: int = Field(
         default=1000,
@@ -252,6 +263,17 @@ class ProxySettings(EnvSettings):
         parse_routes(value)
         return value
 
+    @field_validator("health_path")
+    @classmethod
+    def _health_path(cls, value: str) -> str:
+        return check_health_path(value)
+
+    @field_validator("retry_statuses")
+    @classmethod
+    def _retry_statuses(cls, value: str) -> str:
+        parse_retry_statuses(value)
+        return value
+
     @field_validator("allowed_networks")
     @classmethod
     def _networks(cls, value: str | None) -> str | None:
@@ -261,6 +283,9 @@ class ProxySettings(EnvSettings):
 
     def route_specs(self) -> tuple[RouteSpec, ...]:
         return parse_routes(self.routes)
+
+    def retry_status_codes(self) -> frozenset[int]:
+        return parse_retry_statuses(self.retry_statuses)
 
     def networks(self) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] | None:
         return None if self.allowed_networks is None else parse_networks(self.allowed_networks)
@@ -283,3 +308,36 @@ def parse_networks(text: str) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Net
         )
     except ValueError as exc:
         raise ValueError(f"not a list of CIDRs: {exc}") from None
+
+
+def check_health_path(value: str) -> str:
+    """An origin-form request target (RFC 9112 3.2.1): it goes on the probe's request line
+    as is, so a space, CR or LF would split or end that line."""
+    if not value.startswith("/"):
+        raise ValueError("must start with '/' (a path on each node, e.g. /healthz)")
+    bad = next((c for c in value if not "!" <= c <= "~"), None)
+    if bad is not None:
+        raise ValueError(
+            f"contains {bad!r}: spaces, control characters (CR, LF) and non-ASCII characters "
+            "cannot be sent in a request target (percent-encode them)"
+        )
+    return value
+
+
+def parse_retry_statuses(text: str) -> frozenset[int]:
+    """'421, 404,503' -> {404, 421, 503}; '' -> none. Only error statuses: a 2xx or 3xx is an
+    answer, never a sign that another replica should be asked."""
+    statuses = set()
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        if not (item.isascii() and item.isdigit()):
+            raise ValueError(f"{item!r} is not an HTTP status code (expected e.g. 421,404,503)")
+        status = int(item)
+        if not 400 <= status <= 599:
+            raise ValueError(
+                f"{status} is not in 400-599: only an error answer can mean "
+                "'not mine or not ready, ask the next replica'"
+            )
+        statuses.add(status)
+    return frozenset(statuses)

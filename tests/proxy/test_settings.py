@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from common.settings import SettingsError, redacted_url
+from proxy.http import status_lines
 from proxy.settings import ProxySettings
 
 BASE = {"KROUTE_REDIS_URL": "redis://:s3cret@127.0.0.1:6379/0"}
@@ -35,12 +36,51 @@ def test_missing_redis_url_is_named():
         ("KROUTE_MAX_LAG", "-1", "greater than or equal to 0"),
         ("KROUTE_PORT", "70000", "less than or equal to 65535"),
         ("KROUTE_SPREAD", "perhaps", "bool"),
+        ("KROUTE_HEALTH_PATH", "healthz", "must start with '/'"),
+        ("KROUTE_HEALTH_PATH", "/health live", "contains ' ': spaces, control characters"),
+        ("KROUTE_HEALTH_PATH", "/healthz\r\nx-injected: 1", r"contains '\\r'"),
+        ("KROUTE_HEALTH_PATH", "/health\nz", r"contains '\\n'"),
+        ("KROUTE_HEALTH_PATH", "/sant\u00e9", "non-ASCII"),
+        ("KROUTE_RETRY_STATUSES", "200", "200 is not in 400-599"),
+        ("KROUTE_RETRY_STATUSES", "421,302", "302 is not in 400-599"),
+        ("KROUTE_RETRY_STATUSES", "404,600", "600 is not in 400-599"),
+        ("KROUTE_RETRY_STATUSES", "404;503", "'404;503' is not an HTTP status code"),
+        ("KROUTE_RETRY_STATUSES", "not-mine", "is not an HTTP status code"),
+        ("KROUTE_RETRY_STATUSES", "-404", "is not an HTTP status code"),
     ],
 )
 def test_each_bad_value_names_its_variable(variable, value, message):
     with pytest.raises(SettingsError, match=message) as raised:
         ProxySettings.from_env({**BASE, variable: value})
     assert variable in str(raised.value)
+
+
+def test_health_path_and_retry_statuses_defaults_and_values():
+    defaults = ProxySettings.from_env(BASE)
+    assert defaults.health_path == "/health/live"
+    assert defaults.retry_status_codes() == frozenset({421})
+    settings = ProxySettings.from_env(
+        {
+            **BASE,
+            "KROUTE_HEALTH_PATH": "/admin/healthz?full=1",
+            "KROUTE_RETRY_STATUSES": " 404, 503,421 ,404",
+        }
+    )
+    assert settings.health_path == "/admin/healthz?full=1"
+    assert settings.retry_status_codes() == frozenset({404, 421, 503})
+    # Empty: no status fails over (a service whose 421 means something else).
+    none = ProxySettings.from_env({**BASE, "KROUTE_RETRY_STATUSES": ""})
+    assert none.retry_status_codes() == frozenset()
+
+
+def test_the_c_path_has_no_status_line_for_a_retry_status():
+    """What makes the C path hand retry statuses to Python (proxy/_hotpath.c answer_fast)."""
+    lines = status_lines(leave_out=frozenset({404, 503}))
+    assert 404 not in lines
+    assert 503 not in lines
+    assert lines[200] == b"HTTP/1.1 200 OK\r\n"
+    assert 421 in lines
+    assert 421 not in status_lines(leave_out=frozenset({421}))
 
 
 def test_allowed_networks_parse():

@@ -5,6 +5,7 @@ asking the server directly. The servers run as processes on 127.0.0.1 free ports
 embedded-services launcher, so they are stopped by PID (and die with the test run):
 
   uvicorn      serving `tests.proxy.asgi_app` (reads request bodies, so it answers Expect)
+               (or another ASGI app: tests.proxy.foreign_app, a service with its own statuses)
   http.server  Python's, speaking HTTP/1.0: close-delimited answers and static files
   nginx        static files, keep-alive, etags
   raw          an asyncio server (this module run as `python -m tests.proxy.third_party raw`)
@@ -317,10 +318,12 @@ def _start(
     return ThirdPartyServer(name, port, process, probe)
 
 
-def start_uvicorn(embedded: EmbeddedServices) -> ThirdPartyServer:
+def start_uvicorn(
+    embedded: EmbeddedServices, app: str = "tests.proxy.asgi_app:app"
+) -> ThirdPartyServer:
     port = free_port()
     command = [
-        sys.executable, "-m", "uvicorn", "tests.proxy.asgi_app:app",
+        sys.executable, "-m", "uvicorn", app,
         "--app-dir", str(REPO), "--host", "127.0.0.1", "--port", str(port),
         "--no-access-log", "--log-level", "warning",
     ]  # fmt: skip
