@@ -161,9 +161,15 @@ class KafkaStreamReader(DataSourceStreamReader):
         return {str(p): o for p, o in self.options.starting_offsets.items()}
 
     def latestOffset(self) -> dict[str, int]:  # noqa: N802 - Spark's name
-        ends = _probe(self.options.bootstrap_servers).readable_ends(
-            self.options.topic, self.options.partitions, self._next_start
-        )
+        probe = _probe(self.options.bootstrap_servers)
+        ends = probe.readable_ends(self.options.topic, self.options.partitions, self._next_start)
+        for partition, start in self._next_start.items():
+            log_start = probe.log_starts.get(partition) or 0
+            if start == 0 and log_start > 0:
+                # An empty store reads from where the log begins: capping from 0 would plan
+                # batches of deleted offsets that read nothing (the reader starts at the log
+                # start and would drop every record as past the batch's end).
+                self._next_start[partition] = log_start
         capped = next_batch_ends(self._next_start, ends, self.options.max_records_per_partition)
         return {str(p): end for p, end in capped.items()}
 
@@ -229,6 +235,7 @@ class _EndOffsetProbe:
 
         self._client = self._loop.run_until_complete(connect())
         self._leaders: dict[int, int] = {}  # partition -> leader node, for the LSO Fetch
+        self.log_starts: dict[int, int | None] = {}  # as the last Fetch answers said
 
     def readable_ends(
         self, topic: str, partitions: tuple[int, ...], positions: dict[int, int]
@@ -243,9 +250,11 @@ class _EndOffsetProbe:
     async def _readable_ends(
         self, topic: str, partitions: tuple[int, ...], positions: dict[int, int]
     ) -> dict[int, int]:
-        from materializer.kafka_offsets import fetch_high_watermarks  # noqa: PLC0415
+        from materializer.kafka_offsets import fetch_log_bounds  # noqa: PLC0415
 
-        highs = await fetch_high_watermarks(self._client, topic, partitions, positions=positions)
+        bounds = await fetch_log_bounds(self._client, topic, partitions, positions=positions)
+        self.log_starts.update({p: bound.start for p, bound in bounds.items()})
+        highs = {p: bound.end for p, bound in bounds.items()}
         inside = {p: min(positions.get(p, 0), high) for p, high in highs.items()}
         return readable_ends(highs, await self._last_stable_offsets(topic, inside))
 

@@ -148,7 +148,10 @@ class LagTracker:
 
     async def run(self, client: AIOKafkaClient, interval_s: float) -> None:
         while True:
-            await self.refresh(client)
+            try:
+                await self.refresh(client)
+            except Exception as exc:
+                log.exception("refreshing lag failed; trying again", error=str(exc))
             await asyncio.sleep(interval_s)
 
     def _build(self, bounds: Mapping[int, LogBounds] | None, at_ms: int) -> dict[int, PartitionLag]:
@@ -181,6 +184,10 @@ class LagTracker:
             if outside is not None:
                 if not (before and before.outside_log == outside and not went_back):
                     _log_outside(partition, outside, current, log_start, end)
+                # Nothing it holds is known: not caught up (so not ready), and ends read now
+                # must not count as reached if the log grows past the position again.
+                caught_up_at = None
+                recent.clear()
             else:
                 for end_read, read_at in reversed(recent):
                     if current >= end_read:

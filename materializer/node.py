@@ -20,7 +20,7 @@ import structlog
 import uvicorn
 from aiokafka.client import AIOKafkaClient
 
-from common.clock import now_ms
+from common.clock import SHARED, now_ms
 from common.contract import Assignment, Hosting, Keys, NodeInfo, PartitionReport, StoreInfo
 from common.java import JavaRuntime
 from materializer.cluster import ClusterMember, ClusterTiming
@@ -152,7 +152,10 @@ class Node:
         for partition in self.state.hosted:
             checkpoint = checkpoints.get(partition)
             moved = checkpoint.updated_at_ms if checkpoint else 0
-            progress[partition] = max(floor, moved, self._hosted_since.get(partition, 0))
+            latest = max(floor, moved, self._hosted_since.get(partition, 0))
+            # Stamped before the clock stepped back to Redis time, it reads too late and
+            # would hide a stall for as long as the step: mapped the way reports are.
+            progress[partition] = SHARED.conservative_ms(latest)
         snapshot = self.state.lag.snapshot
         return find_stalls(
             {p: snapshot[p] for p in self.state.hosted if p in snapshot},
@@ -167,19 +170,25 @@ class Node:
         """Log when partitions stall and when they move again (readiness and reports ask
         `_stalls` themselves, at the moment they answer)."""
         while True:
-            stalls = self._stalls()
-            stalled = frozenset(stalls)
-            if stalled - self._stalled:
-                log.warning(
-                    "pipeline stalled: not ready, partitions reported as not caught up",
-                    partitions=sorted(stalled),
-                    reasons={p: stall.reason for p, stall in sorted(stalls.items())},
-                )
-            if recovered := self._stalled - stalled:
-                log.info("stalled partitions moving again", partitions=sorted(recovered))
-            self._stalled = stalled
-            await self._rebuild_outside_log()
+            try:
+                self._log_stall_changes()
+                await self._rebuild_outside_log()
+            except Exception as exc:
+                log.exception("watching the pipeline failed; trying again", error=str(exc))
             await asyncio.sleep(interval_s)
+
+    def _log_stall_changes(self) -> None:
+        stalls = self._stalls()
+        stalled = frozenset(stalls)
+        if stalled - self._stalled:
+            log.warning(
+                "pipeline stalled: not ready, partitions reported as not caught up",
+                partitions=sorted(stalled),
+                reasons={p: stall.reason for p, stall in sorted(stalls.items())},
+            )
+        if recovered := self._stalled - stalled:
+            log.info("stalled partitions moving again", partitions=sorted(recovered))
+        self._stalled = stalled
 
     async def _rebuild_outside_log(self) -> None:
         """Read again from the log's beginning every hosted partition whose store position is

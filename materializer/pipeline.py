@@ -105,13 +105,19 @@ def read_kafka(spark: SparkSession, settings: NodeSettings, plan: QueryPlan) -> 
             .option("assign", json.dumps({plan.topic: partitions}))
             .option(
                 "startingOffsets",
-                json.dumps({plan.topic: {str(p): o for p, o in plan.starting_offsets.items()}}),
+                # -2 is "earliest" to Spark: an empty store starts where the log begins (0
+                # would count offsets deleted by retention as data lost).
+                json.dumps(
+                    {plan.topic: {str(p): o or -2 for p, o in plan.starting_offsets.items()}}
+                ),
             )
             .option(
                 "maxOffsetsPerTrigger", str(settings.max_records_per_partition * len(partitions))
             )
             .option("includeHeaders", "true")
-            .option("failOnDataLoss", "false")
+            # Lost offsets fail the query rather than be skipped silently; the node then sees
+            # its position below the log start and rebuilds the partition.
+            .option("failOnDataLoss", "true")
             .load()
             .select(*KAFKA_COLUMNS)
         )

@@ -30,7 +30,7 @@ from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F  # noqa: N812 - Spark's own convention
 
 from materializer.errors import first_line
-from materializer.store import Row, Store
+from materializer.store import MergeBroken, Row, Store
 from materializer.transform import (
     CHANGE_COLUMNS,
     RecordRules,
@@ -131,6 +131,7 @@ class BatchSink:
         self, batch_id: int, records: pa.Table, changes: pa.Table, ends: Mapping[int, int]
     ) -> None:
         written = 0
+        broken: MergeBroken | None = None
         with_records = dict(_by_partition(records))
         for partition in sorted(set(with_records) | set(ends)):
             part_records = with_records.get(partition)
@@ -143,7 +144,13 @@ class BatchSink:
             in_partition = pc.equal(changes["partition"], partition)
             part_changes = changes.filter(in_partition).sort_by("offset")
             rows = _rows(part_changes, self._rules.value_format == "json", problems)
-            result = self._store.apply(partition, rows, next_offset, newest, self._transform.merge)
+            try:
+                result = self._store.apply(
+                    partition, rows, next_offset, newest, self._transform.merge
+                )
+            except MergeBroken as exc:
+                broken = broken or exc  # the other partitions are applied first
+                continue
             problems.extend(result.merge_failures)  # poison rows for the merge hook: skipped
             self._report_problems(batch_id, partition, problems)
             written += result.written
@@ -151,6 +158,8 @@ class BatchSink:
             self._stats.batches += 1
             self._stats.records += records.num_rows
             self._stats.changes_written += written
+        if broken is not None:
+            raise broken  # that partition stays where it was, visibly stalled
 
     def _pass_range(self, partition: int, end: int) -> None:
         """A range with no records for the sink (only transaction markers, or records that

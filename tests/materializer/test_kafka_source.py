@@ -54,3 +54,32 @@ def test_batches_are_capped_per_partition_and_never_end_before_they_start():
     starts = {0: 100, 1: 5, 2: 70}
     ends = {0: 50_000, 1: 9, 2: 60}  # 2: an end that went backwards (a new leader)
     assert next_batch_ends(starts, ends, cap=1000) == {0: 1100, 1: 9, 2: 70}
+
+
+class _ProbeOfARetainedLog:
+    """The broker's view of a topic whose retention deleted partition 0's first million
+    offsets; partition 1 still starts at 0."""
+
+    log_starts = {0: 1_000_000, 1: 0}
+
+    def readable_ends(self, topic, partitions, positions):
+        return {0: 1_050_000, 1: 50}
+
+
+def test_an_empty_store_plans_its_first_batch_from_the_log_start(monkeypatch):
+    """Capping from offset 0 would plan batches of deleted offsets: the reader starts at the log
+    start and drops everything as past the batch's end, and the store never fills."""
+    from materializer import kafka_source  # noqa: PLC0415
+
+    options = SourceOptions(
+        bootstrap_servers="retained:9092",
+        topic="bookings",
+        partitions=(0, 1),
+        starting_offsets={0: 0, 1: 0},
+        max_records_per_partition=20_000,
+        fetch_max_wait_ms=15,
+        read_timeout_s=12.5,
+    )
+    monkeypatch.setitem(kafka_source._PROBES, "retained:9092", _ProbeOfARetainedLog())
+    reader = kafka_source.KafkaStreamReader(options)
+    assert reader.latestOffset() == {"0": 1_020_000, "1": 50}
