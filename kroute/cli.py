@@ -3,6 +3,9 @@
 kroute run [--failover]             start the whole product with demo data; Ctrl-C stops it
 kroute partition KEY -n 12          the partition a producer wrote KEY to
 kroute check-java                   is there a Java 17+ for Spark?
+kroute adapt faust --worker URL ...  put kroute in front of a Faust app (docs/faust.md)
+kroute adapt fixed --placement FILE  a service whose placement is fixed (docs/existing-services.md)
+kroute contract check --redis URL    what is wrong with the keys a writer put in Redis
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ from collections.abc import Sequence
 from types import FrameType
 
 from common.java import JavaNotFound, JavaRuntime, find_java
+from kroute import contract_check
+from kroute.adapters import faust as faust_adapter
+from kroute.adapters import fixed as fixed_adapter
 from kroute.embedded import EmbeddedServices
 from kroute.errors import KrouteError
 from kroute.product import SAMPLE_CUSTOMERS, Product, failover_demo, start_product
@@ -132,6 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
     part.add_argument("-a", "--algorithm", choices=ALGORITHMS, default="murmur2")
     part.add_argument("-v", "--verbose", action="store_true", help="also print the key's bytes")
     part.set_defaults(handler=command_partition)
+
+    adapt = commands.add_parser("adapt", help="publish an existing service's placement in Redis")
+    adapters = adapt.add_subparsers(dest="adapter", required=True)
+    faust_adapter.add_command(adapters)
+    fixed_adapter.add_command(adapters)
+    contract_check.add_command(commands)
     return parser
 
 

@@ -2,9 +2,11 @@
 
 The proxy routes to whatever the Redis contract describes. Materializer nodes publish
 themselves; this writes the same keys for a fixed set of HTTP services (a benchmark's trivial
-backends, a test's stand-in nodes, or an existing service partitioned the Kafka way), so the
-proxy can be put in front of them. Heartbeats are written without a TTL: the caller says
-who is alive, and calls `publish` again to change anything (lag reports carry the time).
+backends, a test's stand-in nodes), so the proxy can be put in front of them. Heartbeats are
+written without a TTL: the caller says who is alive, and calls `publish` again to change
+anything (lag reports carry the time). It is a fixture, not a writer for real services (the
+contract wants heartbeats with a TTL, and `kroute contract check` says so): those use
+`kroute adapt fixed`, which probes liveness and reads lag (docs/existing-services.md).
 """
 
 from __future__ import annotations

@@ -11,12 +11,23 @@ depends on the serialized bytes, so each format reproduces one of Kafka's serial
 | uuid   | the canonical lowercase 36-character string form| UUIDSerializer (`uuid.toString()`)|
 | hex    | the bytes the hex digits spell                  | ByteArraySerializer (raw keys)    |
 | base64 | the bytes decoded, standard or URL-safe alphabet| ByteArraySerializer (raw keys)    |
+| json   | the text as a JSON string, non-ASCII as UTF-8   | Faust's `json` codec with orjson  |
+| json-ascii | the text as a JSON string, non-ASCII `\\uXXXX` | Faust's `json` codec, stdlib json |
+
+The two JSON formats take the key text as the *content* of a JSON string: `k1` routes as the
+bytes `"k1"`, which is what Faust writes for a table key `"k1"` (tables serialize str keys as
+JSON; `table_route` hashes the same bytes). Faust uses orjson when it is installed (its `fast`
+extra), which writes non-ASCII characters as UTF-8 (`json`), and the standard library's
+`json.dumps` otherwise, which escapes them (`json-ascii`); both escape `"`, `\\` and control
+characters alike, so ASCII keys give the same bytes in either. Keys that are JSON numbers
+(`42`) serialize to their digits: route them with `string`.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import json
 import re
 import uuid
 from collections.abc import Callable
@@ -87,6 +98,24 @@ def serialize_base64(text: str) -> bytes:
         raise KeyFormatError("base64", text, str(exc)) from exc
 
 
+def _json_string(key_format: str, text: str, *, ensure_ascii: bool) -> bytes:
+    # json.dumps(ensure_ascii=False) is byte-identical to orjson.dumps for every str orjson
+    # accepts (property-tested in tests/partitioner); orjson refuses lone surrogates, so do we.
+    try:
+        return json.dumps(text, ensure_ascii=ensure_ascii).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise KeyFormatError(key_format, text, "not encodable as UTF-8 (lone surrogate)") from exc
+
+
+def serialize_json(text: str) -> bytes:
+    return _json_string("json", text, ensure_ascii=False)
+
+
+def serialize_json_ascii(text: str) -> bytes:
+    # All ASCII: never fails (the standard library writes even a lone surrogate as \udXXX).
+    return _json_string("json-ascii", text, ensure_ascii=True)
+
+
 KEY_SERIALIZERS: dict[str, KeySerializer] = {
     "string": serialize_string,
     "int32": serialize_int32,
@@ -94,6 +123,8 @@ KEY_SERIALIZERS: dict[str, KeySerializer] = {
     "uuid": serialize_uuid,
     "hex": serialize_hex,
     "base64": serialize_base64,
+    "json": serialize_json,
+    "json-ascii": serialize_json_ascii,
 }
 
 

@@ -60,7 +60,8 @@ class _ProbeOfARetainedLog:
     """The broker's view of a topic whose retention deleted partition 0's first million
     offsets; partition 1 still starts at 0."""
 
-    log_starts = {0: 1_000_000, 1: 0}
+    def __init__(self) -> None:
+        self.log_starts = {0: 1_000_000, 1: 0}
 
     def readable_ends(self, topic, partitions, positions):
         return {0: 1_050_000, 1: 50}

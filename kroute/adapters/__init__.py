@@ -1,0 +1,1 @@
+"""Adapters: publish the Redis contract for partitioned services kroute did not build."""

@@ -1,0 +1,420 @@
+"""Join kroute from a service built on a Kafka consumer group (aiokafka or confluent-kafka).
+
+A service that consumes a key-partitioned topic with a consumer group, keeps per-key state and
+answers lookups by key over HTTP already owns exactly the partitions the group gave it. The
+agent publishes that in Redis as `docs/redis-contract.md` asks, so a kroute proxy sends each
+key straight to the instance holding its partition:
+
+- `node:<id>`, `nodes`, `store:<name>`, `stores`, and `alive:<id>` with a TTL, every
+  heartbeat: a killed instance is seen dead within the TTL, not after the group's session
+  timeout;
+- `hosting:<id>`: the partitions the consumer holds, from its rebalance callbacks (all active:
+  consumer groups have no standbys), rewritten at once on every rebalance;
+- `lag:<id>`: per held partition the consumer's position against the high watermark, read
+  with Fetch requests of the agent's own (the consumer's cached high watermark stops moving
+  while it pauses a partition, and ListOffsets(latest) is wrong on Tansu, see
+  docs/broker-quirks.md), replaced as a whole on every report;
+- `assignment`: there is no leader; every agent merges its own partitions into the stored
+  assignment in one optimistic transaction (WATCH/MULTI), so the generation grows by one per
+  change and one generation names one assignment.
+
+Usage with aiokafka (positions must cover applied records: apply each batch `getmany` returns
+before awaiting anything else, as the example service does):
+
+    agent = Agent.connect(redis_url, node_id="a", url="http://10.0.0.5:8000",
+                          store=StoreInfo("customers", "customers", 12),
+                          bootstrap_servers=bootstrap)
+    consumer.subscribe([topic], listener=agent.aiokafka_listener())
+    async with agent.running(aiokafka_positions(consumer, topic)):
+        ...  # the service's own consume loop and HTTP server
+
+The service must answer a lookup for a key of a partition it does not hold with 421, so a
+proxy whose table is a moment old tries the current owner instead of trusting a 404.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis.asyncio as aioredis
+import structlog
+from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
+from aiokafka.client import AIOKafkaClient
+from redis.exceptions import WatchError
+
+from common.clock import SharedClock
+from common.contract import (
+    Assignment,
+    ContractError,
+    Event,
+    Hosting,
+    Keys,
+    NodeInfo,
+    PartitionAssignment,
+    PartitionReport,
+    StoreInfo,
+    decode_assignment,
+    encode,
+    lag_field,
+)
+from materializer.kafka_offsets import fetch_high_watermarks
+
+log = structlog.get_logger("kroute.agent")
+
+PositionSource = Callable[[Collection[int]], Awaitable[Mapping[int, int]]]
+"""held partitions -> each one's position (next offset to apply); unknown ones left out."""
+
+_END_HISTORY = 64  # end offsets remembered per partition, for "caught up at" under writes
+END_OFFSET_MAX_AGE_MS = 2_000  # older end offsets are not reported: lag unknown, not 0
+
+
+@dataclass(frozen=True)
+class AgentTiming:
+    heartbeat_ms: int = 300
+    alive_ttl_ms: int = 2000
+    report_interval_ms: int = 250
+
+
+@dataclass
+class EndHistory:
+    """The end offsets read for one partition lately, (end offset, asked at ms), and when it
+    was last known caught up (the contract's `caught_up_at_ms`)."""
+
+    recent: deque[tuple[int, int]] = field(default_factory=lambda: deque(maxlen=_END_HISTORY))
+    caught_up_at_ms: int | None = None
+
+    def report(self, position: int, at_ms: int) -> tuple[int | None, int | None]:
+        """(end offset to report, caught up at): the latest end the position has reached
+        marks when the partition was last known caught up."""
+        for end, asked_at in reversed(self.recent):
+            if position >= end:
+                self.caught_up_at_ms = max(self.caught_up_at_ms or 0, asked_at)
+                break
+        if not self.recent or at_ms - self.recent[-1][1] > END_OFFSET_MAX_AGE_MS:
+            return None, self.caught_up_at_ms
+        return self.recent[-1][0], self.caught_up_at_ms
+
+
+def merged_assignment(
+    stored: Assignment | None,
+    store: StoreInfo,
+    node_id: str,
+    held: Collection[int],
+    at_ms: int,
+    *,
+    take: bool,
+) -> Assignment | None:
+    """The stored assignment with this node active on exactly the partitions it holds, or
+    None when nothing changes.
+
+    Each writer touches only entries naming itself, so agents merging concurrently never undo
+    each other. `take` (a rebalance just gave us the partitions) overwrites another node's
+    entry; without it (a periodic repair, after Redis lost its data) only empty entries are
+    filled: an instance resuming from a long pause must not take back what the group has
+    since given to someone else."""
+    placements = dict(stored.stores.get(store.name, {})) if stored else {}
+    changed = False
+    for partition in range(store.partitions):
+        entry = placements.get(partition)
+        standbys = entry.standbys if entry else ()
+        if partition in held:
+            free = entry is None or entry.active is None
+            if (entry is None or entry.active != node_id) and (take or free):
+                placements[partition] = PartitionAssignment(node_id, standbys)
+                changed = True
+        elif entry is not None and entry.active == node_id:
+            placements[partition] = PartitionAssignment(None, standbys)
+            changed = True
+    if not changed:
+        return None
+    stores = {**(dict(stored.stores) if stored else {}), store.name: placements}
+    generation = stored.generation + 1 if stored else 1
+    return Assignment(generation, node_id, at_ms, stores)
+
+
+class Agent:
+    """Publishes one service instance in the Redis contract; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        redis: aioredis.Redis,
+        keys: Keys,
+        node: NodeInfo,
+        store: StoreInfo,
+        bootstrap_servers: str,
+        timing: AgentTiming = AgentTiming(),
+    ) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.node = node
+        self.store = store
+        self.bootstrap_servers = bootstrap_servers
+        self.timing = timing
+        self.clock = SharedClock()  # Redis time, synced on every heartbeat
+        self.held: frozenset[int] = frozenset()
+        self.generation = 0  # of the last assignment this agent wrote or saw
+        self._ends: dict[int, EndHistory] = {}
+        self._kafka: AIOKafkaClient | None = None
+
+    @classmethod
+    def connect(
+        cls,
+        redis_url: str,
+        *,
+        node_id: str,
+        url: str,
+        store: StoreInfo,
+        bootstrap_servers: str,
+        cluster: str = "default",
+        timing: AgentTiming = AgentTiming(),
+    ) -> Agent:
+        node = NodeInfo(node_id, url, 0)  # started_at_ms is stamped on Redis time at start
+        redis = aioredis.Redis.from_url(redis_url, socket_timeout=2.0)
+        return cls(
+            redis=redis,
+            keys=Keys(cluster),
+            node=node,
+            store=store,
+            bootstrap_servers=bootstrap_servers,
+            timing=timing,
+        )
+
+    # -- what the consumer holds -------------------------------------------------------------
+
+    async def assigned(self, partitions: Iterable[int]) -> None:
+        """The group gave this instance these partitions (in addition to what it holds)."""
+        self.held = self.held | frozenset(partitions)
+        await self._publish_holding(take=True)
+
+    async def revoked(self, partitions: Iterable[int]) -> None:
+        """These partitions are no longer this instance's: unpublished before anyone else
+        can take them (the group waits for revoke callbacks before reassigning)."""
+        gone = frozenset(partitions)
+        self.held = self.held - gone
+        for partition in gone:
+            self._ends.pop(partition, None)
+        await self._publish_holding(take=False)
+
+    def aiokafka_listener(
+        self, inner: ConsumerRebalanceListener | None = None
+    ) -> ConsumerRebalanceListener:
+        """A rebalance listener for `consumer.subscribe(..., listener=...)`; `inner` (the
+        service's own) runs first on assignment (it may seek) and last on revocation."""
+        return _AiokafkaListener(self, self.store.topic, inner)
+
+    async def _publish_holding(self, *, take: bool) -> None:
+        try:
+            await self._merge_assignment(take=take)
+            await self.report(positions=None)
+        except (aioredis.RedisError, OSError) as exc:
+            # The loops retry; a rebalance must not fail because Redis blinked.
+            log.warning("could not publish a rebalance; retrying in the loop", error=str(exc))
+
+    # -- running -----------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def running(self, positions: PositionSource) -> AsyncIterator[Agent]:
+        """Heartbeat and report while the body runs; unpublish this instance afterwards."""
+        self._kafka = AIOKafkaClient(bootstrap_servers=self.bootstrap_servers)
+        await self._kafka.bootstrap()
+        await self.clock.sync(self.redis)  # no time is stamped on the local clock
+        self.node = NodeInfo(self.node.node_id, self.node.url, self.clock.now_ms())
+        tasks = [
+            asyncio.create_task(self._every(self.timing.heartbeat_ms, self.heartbeat)),
+            asyncio.create_task(
+                self._every(self.timing.report_interval_ms, lambda: self.report(positions))
+            ),
+        ]
+        try:
+            yield self
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self._leave()
+            await self._kafka.close()
+            await self.redis.aclose()
+
+    async def _every(self, interval_ms: int, step: Callable[[], Awaitable[None]]) -> None:
+        while True:
+            try:
+                await step()
+            except (aioredis.RedisError, OSError) as exc:
+                log.warning("redis unreachable; heartbeat lapsing", error=str(exc))
+            except Exception:  # one bad step must not end the loop (the service runs on)
+                log.exception("agent step failed; retrying")
+            await asyncio.sleep(interval_ms / 1000)
+
+    async def heartbeat(self) -> None:
+        keys, node = self.keys, self.node
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.set(keys.node(node.node_id), encode(node))
+            pipe.sadd(keys.nodes, node.node_id)
+            pipe.set(keys.store(self.store.name), encode(self.store))
+            pipe.sadd(keys.stores, self.store.name)
+            pipe.set(keys.alive(node.node_id), b"1", px=self.timing.alive_ttl_ms)
+            pipe.time()  # keeps the clock in step without another round trip
+            sent = self.clock.stopwatch()
+            replies = await pipe.execute()
+            self.clock.observe(replies[-1], sent, self.clock.stopwatch())
+
+    async def report(self, positions: PositionSource | None) -> None:
+        """Write hosting and lag (one transaction, lag replaced as a whole). Without
+        `positions` (a rebalance callback) only hosting changes: no lag reports are lost."""
+        held = self.held
+        reports: dict[str, bytes] = {}
+        if positions is not None:
+            if held:
+                await self._read_ends(held, await positions(held))
+            reports = await self._reports(held, positions)
+            await self._merge_assignment(take=False)  # heals a Redis that lost its data
+        at = self.clock.now_ms()
+        hosting = Hosting(
+            self.node.node_id,
+            self.generation,
+            {self.store.name: {"active": tuple(sorted(held)), "standby": ()}},
+            at,
+        )
+        lag_key = self.keys.lag(self.node.node_id)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.set(self.keys.hosting(self.node.node_id), encode(hosting))
+            if positions is None:  # drop reports of partitions given up, keep the others
+                gone = [
+                    lag_field(self.store.name, p)
+                    for p in range(self.store.partitions)
+                    if p not in held
+                ]
+                if gone:
+                    pipe.hdel(lag_key, *gone)
+            else:
+                pipe.delete(lag_key)
+                if reports:
+                    pipe.hset(lag_key, mapping=reports)  # type: ignore[arg-type]
+                    pipe.pexpire(lag_key, self.timing.alive_ttl_ms * 10)
+            pipe.publish(self.keys.events, encode(Event("lag", node_id=self.node.node_id)))
+            await pipe.execute()
+
+    async def _read_ends(self, held: Collection[int], positions: Mapping[int, int]) -> None:
+        assert self._kafka is not None
+        asked_at = self.clock.now_ms()  # the ends describe the log when asked, not answered
+        try:
+            ends = await fetch_high_watermarks(
+                self._kafka, self.store.topic, held, positions=positions, timeout_s=2.0
+            )
+        except Exception as exc:  # noqa: BLE001 - the report says "unknown" once ends age
+            log.warning("cannot read end offsets; lag turns unknown", error=str(exc))
+            return
+        for partition, end in ends.items():
+            self._ends.setdefault(partition, EndHistory()).recent.append((end, asked_at))
+
+    async def _reports(self, held: Collection[int], positions: PositionSource) -> dict[str, bytes]:
+        at = self.clock.now_ms()
+        known = await positions(held)
+        reports = {}
+        for partition in sorted(held):
+            if partition not in known:
+                continue  # no position yet (resetting): no report, so lag is unknown
+            position = known[partition]
+            end, caught_up_at = self._ends.setdefault(partition, EndHistory()).report(position, at)
+            report = PartitionReport(
+                current_offset=position,
+                end_offset=end,
+                newest_record_ms=None,
+                caught_up_at_ms=None
+                if caught_up_at is None
+                else self.clock.conservative_ms(caught_up_at),
+                updated_at_ms=at,
+            )
+            reports[lag_field(self.store.name, partition)] = encode(report)
+        return reports
+
+    async def _merge_assignment(self, *, take: bool) -> None:
+        key = self.keys.assignment
+        async with self.redis.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    await pipe.watch(key)
+                    raw = await pipe.get(key)
+                    stored = _readable(raw)
+                    new = merged_assignment(
+                        stored, self.store, self.node.node_id, self.held, self.clock.now_ms(),
+                        take=take,
+                    )  # fmt: skip
+                    if new is None:
+                        await pipe.unwatch()  # type: ignore[no-untyped-call]
+                        self.generation = stored.generation if stored else 0
+                        return
+                    pipe.multi()  # type: ignore[no-untyped-call]
+                    pipe.set(key, encode(new))
+                    pipe.publish(
+                        self.keys.events, encode(Event("assignment", generation=new.generation))
+                    )
+                    await pipe.execute()
+                    self.generation = new.generation
+                    return
+                except WatchError:
+                    continue  # another agent merged meanwhile: merge into theirs
+
+    async def _leave(self) -> None:
+        """A clean stop: give up every partition and the heartbeat at once (the TTL would
+        have said the same a little later)."""
+        with contextlib.suppress(aioredis.RedisError, OSError):
+            self.held = frozenset()
+            await self._merge_assignment(take=False)
+            await self.report(positions=None)
+            await self.redis.delete(self.keys.alive(self.node.node_id))
+
+
+def _readable(raw: bytes | str | None) -> Assignment | None:
+    if raw is None:
+        return None
+    try:
+        return decode_assignment(raw)
+    except ContractError as exc:
+        # A value without a readable generation cannot be compared: start over (as the
+        # contract says the leader does); the other agents fill their entries back in.
+        log.warning("stored assignment unreadable; replacing it", error=str(exc))
+        return None
+
+
+class _AiokafkaListener(ConsumerRebalanceListener):  # type: ignore[misc]
+    def __init__(self, agent: Agent, topic: str, inner: ConsumerRebalanceListener | None) -> None:
+        self.agent = agent
+        self.topic = topic
+        self.inner = inner
+
+    async def on_partitions_revoked(self, revoked: Iterable[TopicPartition]) -> None:
+        await self.agent.revoked(tp.partition for tp in revoked if tp.topic == self.topic)
+        if self.inner is not None:
+            await _maybe_await(self.inner.on_partitions_revoked(revoked))
+
+    async def on_partitions_assigned(self, assigned: Iterable[TopicPartition]) -> None:
+        if self.inner is not None:
+            await _maybe_await(self.inner.on_partitions_assigned(assigned))
+        await self.agent.assigned(tp.partition for tp in assigned if tp.topic == self.topic)
+
+
+async def _maybe_await(result: Any) -> None:
+    if asyncio.iscoroutine(result):
+        await result
+
+
+def aiokafka_positions(consumer: AIOKafkaConsumer, topic: str) -> PositionSource:
+    """Positions from an aiokafka consumer: the offset after the last record `getmany`
+    returned (the service applies each batch before awaiting anything else)."""
+
+    async def positions(held: Collection[int]) -> Mapping[int, int]:
+        known = {}
+        for partition in held:
+            with contextlib.suppress(Exception):  # revoked meanwhile, or still resetting
+                tp = TopicPartition(topic, partition)
+                known[partition] = int(await asyncio.wait_for(consumer.position(tp), 0.5))
+        return known
+
+    return positions
