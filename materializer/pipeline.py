@@ -19,6 +19,7 @@ stops calling itself ready (see server.py and node.py).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -75,6 +76,8 @@ def create_spark_session(settings: NodeSettings, java_home: Path) -> SparkSessio
     )
     if settings.spark_packages:
         builder = builder.config("spark.jars.packages", settings.spark_packages)
+    for key, value in settings.spark_conf.items():
+        builder = builder.config(key, value)
     if settings.spark_master.startswith("local"):
         # In local mode nothing outside this machine talks to the driver: loopback only.
         os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
@@ -93,9 +96,13 @@ class QueryPlan:
 
     topic: str
     starting_offsets: dict[int, int]
+    # Most records per partition in one micro-batch; None: the node's setting. The pipeline
+    # lowers it when batches are too big for the driver (see Pipeline._shrink_batches).
+    max_records_per_partition: int | None = None
 
 
 def read_kafka(spark: SparkSession, settings: NodeSettings, plan: QueryPlan) -> DataFrame:
+    records_cap = plan.max_records_per_partition or settings.max_records_per_partition
     if settings.source == "spark-kafka":
         # Spark's own source (spark-sql-kafka-0-10 must be on the classpath); same columns.
         partitions = sorted(plan.starting_offsets)
@@ -111,9 +118,7 @@ def read_kafka(spark: SparkSession, settings: NodeSettings, plan: QueryPlan) -> 
                     {plan.topic: {str(p): o or -2 for p, o in plan.starting_offsets.items()}}
                 ),
             )
-            .option(
-                "maxOffsetsPerTrigger", str(settings.max_records_per_partition * len(partitions))
-            )
+            .option("maxOffsetsPerTrigger", str(records_cap * len(partitions)))
             .option("includeHeaders", "true")
             # Lost offsets fail the query rather than be skipped silently; the node then sees
             # its position below the log start and rebuilds the partition.
@@ -126,7 +131,7 @@ def read_kafka(spark: SparkSession, settings: NodeSettings, plan: QueryPlan) -> 
         topic=plan.topic,
         partitions=tuple(sorted(plan.starting_offsets)),
         starting_offsets=plan.starting_offsets,
-        max_records_per_partition=settings.max_records_per_partition,
+        max_records_per_partition=records_cap,
         fetch_max_wait_ms=settings.fetch_max_wait_ms,
         read_timeout_s=30.0,
         tasks_per_batch=settings.tasks_per_batch,
@@ -181,6 +186,7 @@ class Pipeline:
         self._last_error_at_ms: int | None = None
         self._started_at_ms: int | None = None
         self._last_batch_at_ms: int | None = None
+        self._records_cap = settings.max_records_per_partition  # lowered by _shrink_batches
 
     @property
     def running(self) -> bool:
@@ -230,6 +236,19 @@ class Pipeline:
         # soon as start() returns, since it was planned at an older generation.
         if query is not None and query.isActive:
             query.stop()  # awaitTermination returns; the supervisor starts the new plan at once
+        return True
+
+    def _shrink_batches(self) -> bool:
+        """Plan smaller micro-batches (an eighth) after one was too big to bring to the
+        driver; False when they are one record per partition already."""
+        if self._records_cap <= 1:
+            return False
+        self._records_cap = max(1, self._records_cap // 8)
+        log.warning(
+            "a micro-batch was too big for the Spark driver (spark.driver.maxResultSize); "
+            "reading fewer records per batch",
+            max_records_per_partition=self._records_cap,
+        )
         return True
 
     def _next_generation(self) -> tuple[int, StreamingQuery | None]:
@@ -294,6 +313,8 @@ class Pipeline:
                 self.restarts += 1
                 if time.monotonic() - started > 60:
                     delay = 1.0  # it ran for a while: this is a new failure, not a crash loop
+                if too_big_for_the_driver(exc) and self._shrink_batches():
+                    delay = 1.0  # the cause is dealt with: the next query is not a retry
                 log.error(
                     "materialization stopped; restarting from the store's checkpoints",
                     error=self.last_error,
@@ -307,7 +328,10 @@ class Pipeline:
         with self._lock:
             generation = self._generation
         self._replanned.clear()
-        plan = self._plan_source()  # read after the generation: at least as new as it
+        plan = dataclasses.replace(
+            self._plan_source(),  # read after the generation: at least as new as it
+            max_records_per_partition=self._records_cap,
+        )
         if not plan.starting_offsets:
             log.info("no partitions to read; waiting for an assignment")
             while generation == self._generation and not self._stopping.is_set():
@@ -351,6 +375,13 @@ class Pipeline:
         if self._checkpoint_dir is not None:
             shutil.rmtree(self._checkpoint_dir, ignore_errors=True)
             self._checkpoint_dir = None
+
+
+def too_big_for_the_driver(exc: BaseException) -> bool:
+    """Spark refused to bring a batch's results to the driver: "Total size of serialized
+    results of N tasks (X MiB) is bigger than spark.driver.maxResultSize (Y MiB)". Retrying
+    the same batch would fail the same way for ever."""
+    return "spark.driver.maxResultSize" in str(exc)
 
 
 # -- the offsets a micro-batch read ------------------------------------------------------------

@@ -7,7 +7,7 @@ import socket
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, Json, ValidationInfo, field_validator
 
 from common.settings import (
     EnvSettings,
@@ -76,6 +76,11 @@ class NodeSettings(EnvSettings):
         default=None,
         description="Maven coordinates Spark loads (spark.jars.packages), e.g. "
         "org.apache.spark:spark-sql-kafka-0-10_2.13:4.1.1 for KROUTE_SOURCE=spark-kafka.",
+    )
+    spark_conf: Json[dict[str, str]] = Field(
+        default={},
+        description="More Spark settings, a JSON object applied last, e.g. "
+        '{"spark.cores.max": "2", "spark.driver.maxResultSize": "2g"}.',
     )
     max_value_bytes: int = Field(
         default=8 * 1024 * 1024,

@@ -218,3 +218,47 @@ def test_a_broker_restarted_empty_makes_the_node_rebuild_from_the_new_log(embedd
         node.process.stop()
         node.close()
         broker.process.stop()
+
+
+def test_batches_too_big_for_the_driver_are_made_smaller_until_they_fit(embedded, broker, tmp_path):
+    """60 values of 100 KB in one partition: a 64-record batch (6 MB) is more than the driver
+    accepts (spark.driver.maxResultSize=1m), and retrying it would fail for ever. The node
+    reads smaller batches instead, and serves every value."""
+    bootstrap, topic = broker.bootstrap_servers, "big-values"
+    create_topics(bootstrap, {topic: 1})
+    producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 50})
+    values = {f"big-{i}": f"{i:03d}" + "x" * 100_000 for i in range(60)}
+    for key, value in values.items():
+        producer.produce(topic, key=key.encode(), value=value.encode())
+    assert producer.flush(30) == 0
+    node = start_node(
+        embedded,
+        bootstrap,
+        topic,
+        tmp_path / "data",
+        store="big",
+        spark_master="local[2]",
+        value_format="string",
+        max_records_per_partition="64",
+        spark_conf=json.dumps({"spark.driver.maxResultSize": "1m"}),
+    )
+    try:
+        node.wait_caught_up(ends_of_one(bootstrap, topic), timeout_s=180)
+        for key, value in values.items():
+            response = node.get(f"/stores/big/keys/{key}")
+            assert response.status_code == 200, response.text[:200]
+            assert response.json()["value"] == value
+        shrunk = [
+            json.loads(line)
+            for line in node.process.log_path.read_text().splitlines()
+            if "too big for the Spark driver" in line
+        ]
+        assert shrunk, "the first batch must have been too big: the test would prove nothing"
+        assert shrunk[0]["max_records_per_partition"] == 8
+    finally:
+        node.process.stop()
+        node.close()
+
+
+def ends_of_one(bootstrap: str, topic: str) -> dict[int, int]:
+    return asyncio.run(end_offsets(bootstrap, topic, [0]))
