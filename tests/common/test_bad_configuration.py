@@ -47,6 +47,9 @@ INVALID = {
     "merge": "module.function",
     "advertised_url": "ftp://node:8081",
     "broker_storage": "file:///tmp/tansu",
+    "health_path": "health check",
+    "retry_statuses": "200",
+    "spark_conf": '{"spark.cores.max": 2}',
 }
 # Any value is valid: say why, so a new setting cannot slip through unchecked.
 FREE = {
