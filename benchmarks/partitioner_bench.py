@@ -28,7 +28,7 @@ from partitioner.hashes import murmur2_positive, murmur2_positive_reference
 
 KEY_SIZES = (16, 64, 256)
 NUM_PARTITIONS = 12
-# The minimal uvloop+httptools forwarder measured ~14 us of CPU per request here (DESIGN.md);
+# The minimal uvloop+httptools forwarder measured ~14 us of CPU per request here (measured before the proxy was built);
 # used to express the partition step as a share of a request until the proxy is measured.
 FORWARDER_US_PER_REQUEST = 14.0
 
@@ -111,7 +111,7 @@ def render(by_size: dict[str, dict[str, float]], command: str) -> str:
         "",
         f"Share of a request: the whole uncached step for a 16-byte key ({step_16:.0f} ns) is "
         f"{share:.1f}% of the ~{FORWARDER_US_PER_REQUEST:.0f} µs of CPU per request that the "
-        "minimal uvloop + httptools forwarder used here (DESIGN.md); issue #5 re-measures it "
+        "minimal uvloop + httptools forwarder measured here before the proxy was built; issue #5 re-measures it "
         "on kroute's own proxy. Without the C extension, murmur2 alone costs what the "
         "murmur2_python column says.",
     ]

@@ -755,7 +755,7 @@ def restart(bench: Bench, records: int) -> dict[str, Any]:
 
 
 def high_watermarks(bench: Bench, partitions: set[int]) -> dict[int, int]:
-    """The partitions' end offsets from the broker (Fetch high watermarks, see DESIGN.md)."""
+    """The partitions' end offsets from the broker (Fetch high watermarks, see docs/broker-quirks.md)."""
     return asyncio.run(end_offsets(bench.bootstrap, TOPIC, sorted(partitions)))
 
 

@@ -6,7 +6,7 @@ partition written as one batch of 10 records reports 1. The high watermark that 
 response carries is right on Tansu and on Apache Kafka alike, so lag and "caught up" are
 computed from it. tests/materializer/test_kafka_offsets.py shows both answers side by side.
 
-Broker quirks this module works around (measured on Tansu 0.6, see DESIGN.md):
+Broker quirks this module works around (measured on Tansu 0.6, see docs/broker-quirks.md):
 - a Fetch with max wait 0 comes back with no partitions at all, so we wait a few ms;
 - a Fetch past the end is answered without error on Tansu but with OFFSET_OUT_OF_RANGE (and no
   high watermark) on Kafka, so we fetch from an offset inside the log.

@@ -1,7 +1,7 @@
 """End offsets must come from Fetch high watermarks: Tansu's ListOffsets(latest) is wrong.
 
 The first test documents the broker's behaviour; if a Tansu upgrade fixes ListOffsets it will
-fail, and DESIGN.md's list of quirks should be updated.
+fail, and docs/broker-quirks.md should be updated.
 """
 
 from __future__ import annotations
