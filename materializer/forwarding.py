@@ -7,6 +7,7 @@ nodes with different views cannot bounce a request between them.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import httpx
@@ -30,9 +31,14 @@ class Forwarder:
             trust_env=False,
         )
 
-    async def forward(self, base_url: str, path: str) -> Forwarded:
-        """GET path on another node. Raises httpx.HTTPError when it cannot be reached."""
-        response = await self._client.get(base_url + path, headers={FORWARDED_BY: self._node_id})
+    async def forward(
+        self, base_url: str, path: str, bounds: Mapping[str, str] | None = None
+    ) -> Forwarded:
+        """GET path on another node, with `bounds` (the lookup's freshness headers, which the
+        owner must check: this node's view of who owns what may be as stale as a proxy's).
+        Raises httpx.HTTPError when it cannot be reached."""
+        sent = {**(bounds or {}), FORWARDED_BY: self._node_id}
+        response = await self._client.get(base_url + path, headers=sent)
         headers = [
             (name.encode(), value.encode())
             for name, value in response.headers.items()

@@ -103,6 +103,7 @@ class Node:
             stats=self.stats,
             pipeline_status=self._pipeline_status,
             stalls=self._stalls,
+            min_offset_wait_ms=settings.min_offset_wait_ms,
         )
         self.transform = load_transform(settings.transform, settings.merge)
         self.exit_code = 0

@@ -2,8 +2,10 @@
 
     GET /stores/{store}/keys/{key}   200 value + where it came from, 404 absent key or store,
                                      400 malformed key, 421 a partition this node does not host
+                                     or freshness it cannot give (materializer.read_bounds)
     GET /metadata                    hosted partitions: offsets, end offsets, lag, newest record;
                                      the pipeline: last batch applied, errors, stalls and why
+    GET /metrics                     Prometheus text: batch times, records, skips, lag, stalls
     GET /health/live                 the process answers
     GET /health/ready                200 once every hosted partition has caught up once and none
                                      is stalled, else 503 with the reason
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,9 +28,26 @@ from urllib.parse import unquote
 import httpx
 
 from common.clock import now_ms
+from common.freshness import (
+    POSITION_HEADER,
+    REFUSED_HEADER,
+    BadFreshnessHeader,
+    position_token,
+    reached,
+)
 from materializer.forwarding import FORWARDED_BY, Forwarder
 from materializer.lag import LagTracker
+from materializer.metrics import NodeMetrics
 from materializer.pipeline import Stall
+from materializer.read_bounds import (
+    PositionWatch,
+    ReadBounds,
+    Refusal,
+    bad_header,
+    freshness_headers,
+    lag_refusal,
+    position_refusal,
+)
 from materializer.sink import IngestStats
 from materializer.store import Store
 from partitioner import KeyFormatError, KeyPartitioner
@@ -61,6 +81,8 @@ class NodeState:
     owner_of: Callable[[int], str | None] | None = None
     forwarder: Forwarder | None = None
     forwarded: int = 0  # lookups this node passed on to the partition's owner (an extra hop)
+    # How long a lookup with x-kroute-min-offset waits for the store to apply it (then 421).
+    min_offset_wait_ms: int = 500
 
     def role_of(self, partition: int) -> str:
         return self.roles.get(partition, self.role)
@@ -69,6 +91,8 @@ class NodeState:
 class NodeApp:
     def __init__(self, state: NodeState) -> None:
         self.state = state
+        self._positions = PositionWatch(lambda partition: _position(state.store, partition))
+        self._metrics = NodeMetrics(state)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -95,6 +119,8 @@ class NodeApp:
             await self._lookup(send, store, key, scope, path)
         elif path == b"/metadata":
             await _respond(send, 200, self._metadata())
+        elif path == b"/metrics":
+            await self._metrics.respond(send)
         elif path == b"/health/live":
             await _respond(send, 200, {"status": "live", "node": self.state.node_id})
         elif path == b"/health/ready":
@@ -112,6 +138,7 @@ class NodeApp:
         state = self.state
         try:
             partition, key = self._locate(store, key_text)
+            bounds = _read_bounds(scope, partition)
         except _Refused as refused:
             await _respond(send, refused.status, refused.payload)
             return
@@ -133,9 +160,17 @@ class NodeApp:
         if lag is None or lag.end_offset is None:
             await _respond(send, 421, _not_ready(state.node_id, partition))
             return
-        found = state.store.get(partition, key)
+        refusal = None if bounds is None else await self._refusal(bounds, partition, lag)
         provenance = _provenance(state, partition, lag)
-        headers = _provenance_headers(provenance)
+        if refusal is not None:
+            why = (REFUSED_HEADER.encode(), refusal.reason.encode())
+            headers = [*_provenance_headers(provenance), _position_line(state, partition), why]
+            await _respond(send, 421, refusal.payload, headers)
+            return
+        found = state.store.get(partition, key)
+        # Read after the value: the token may be newer than what the answer shows, never older,
+        # so a later read bounded by it is at least as fresh as this one (monotonic reads).
+        headers = [*_provenance_headers(provenance), _position_line(state, partition)]
         if found is None:
             await _respond(
                 send,
@@ -152,6 +187,26 @@ class NodeApp:
             "timestamp_ms": found.timestamp_ms,
         }
         await _respond_raw(send, 200, _with_value(body, found.value, state.value_format), headers)
+
+    async def _refusal(self, bounds: ReadBounds, partition: int, lag: Any) -> Refusal | None:
+        """Why the bounds the request asks for cannot be met here (None: they are). A minimum
+        offset the store has not applied is waited for, up to `min_offset_wait_ms`."""
+        state = self.state
+        where = {"partition": partition, "node": state.node_id, "role": state.role_of(partition)}
+        position = _position(state.store, partition)
+        if bounds.min_offset is not None and not reached(position, bounds.min_offset):
+            started = time.monotonic()
+            wait_s = state.min_offset_wait_ms / 1000
+            position = await self._positions.wait(partition, bounds.min_offset, wait_s)
+            if not reached(position, bounds.min_offset):
+                waited_ms = round((time.monotonic() - started) * 1000)
+                return position_refusal(bounds.min_offset, position, waited_ms, where)
+        if bounds.max_lag is None and bounds.max_lag_ms is None:
+            return None
+        # Stalls cost a look at every hosted partition: only a time budget needs them.
+        stalled = bounds.max_lag_ms is not None and partition in state.stalls()
+        now = state.lag.snapshot.get(partition, lag)  # refreshed while we waited, maybe
+        return lag_refusal(bounds, now, position, stalled=stalled, at_ms=now_ms(), where=where)
 
     def _locate(self, store: str, key_text: str) -> tuple[int, bytes]:
         """The key's partition and bytes; _Refused when the request cannot be answered here."""
@@ -192,7 +247,8 @@ class NodeApp:
             return False
         state.forwarded += 1
         try:
-            result = await state.forwarder.forward(owner, path.decode("ascii"))
+            bounds = freshness_headers(headers)  # the owner checks them: see Forwarder.forward
+            result = await state.forwarder.forward(owner, path.decode("ascii"), bounds)
         except httpx.HTTPError as exc:
             reason = str(exc) or type(exc).__name__
             payload = {"error": "owner_unreachable", "partition": partition, "owner": owner}
@@ -320,6 +376,26 @@ def _provenance(state: NodeState, partition: int, lag: Any) -> dict[str, Any]:
         "lag": lag.lag if lag else None,
         "time_lag_ms": lag.time_lag_ms(at) if lag else None,
     }
+
+
+def _read_bounds(scope: Scope, partition: int) -> ReadBounds | None:
+    """The freshness the request asks for (common.freshness); a malformed header is a 400."""
+    try:
+        return ReadBounds.from_headers(scope.get("headers", []), partition)
+    except BadFreshnessHeader as exc:
+        raise _Refused(400, bad_header(exc)) from None
+
+
+def _position(store: Store, partition: int) -> int:
+    """The store's position in the partition now: the next offset it reads."""
+    checkpoint = store.checkpoint(partition)
+    return checkpoint.next_offset if checkpoint else 0
+
+
+def _position_line(state: NodeState, partition: int) -> tuple[bytes, bytes]:
+    """The answer's position token (see common.freshness), read from the store now."""
+    token = position_token(partition, _position(state.store, partition))
+    return (POSITION_HEADER.encode(), token.encode())
 
 
 def _provenance_headers(provenance: dict[str, Any]) -> list[tuple[bytes, bytes]]:

@@ -149,6 +149,16 @@ class NodeSettings(EnvSettings):
     lag_interval_ms: int = Field(
         default=250, ge=10, le=60_000, description="How often end offsets and lag are refreshed."
     )
+    min_offset_wait_ms: int = Field(
+        default=500,
+        ge=0,
+        le=10_000,
+        # A write is applied within a trigger interval plus one micro-batch; past this the
+        # node answers 421 and the proxy asks another replica. Keep it well below the proxy's
+        # KROUTE_UPSTREAM_TIMEOUT_MS, or the proxy gives up on (and ejects) a waiting node.
+        description="How long a lookup with x-kroute-min-offset waits for the store to apply "
+        "that offset before answering 421 (0: never waits).",
+    )
     start_retry_max_s: float = Field(
         default=30.0,
         gt=0,

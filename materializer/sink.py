@@ -18,6 +18,8 @@ failing set is tried again, on the batch Spark has cached) and skipped like malf
 from __future__ import annotations
 
 import threading
+import time
+from bisect import bisect_left
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +51,10 @@ _MAX_ISOLATION_JOBS = 200
 
 Offset = tuple[int, int]  # (partition, offset) of one record
 
+# Upper bounds of the micro-batch duration histogram (seconds): a trickle's batch takes ~0.1 s
+# of fixed Spark cost here, a capped batch of a restore seconds, a stuck one minutes.
+BATCH_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
 
 @dataclass
 class IngestStats:
@@ -59,10 +65,22 @@ class IngestStats:
     changes_written: int = 0
     problems_by_partition: dict[int, int] = field(default_factory=dict)
     last_batch_ms: float = 0.0
+    # Batch durations as histogram counts, kept as plain integers (bucket i: at most
+    # BATCH_BUCKETS_S[i]; the last: longer), turned into a Prometheus histogram when scraped.
+    batch_duration_counts: list[int] = field(
+        default_factory=lambda: [0] * (len(BATCH_BUCKETS_S) + 1)
+    )
+    batch_duration_sum_s: float = 0.0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def problems(self) -> int:
         return sum(self.problems_by_partition.values())
+
+    def observe_batch(self, seconds: float) -> None:
+        """Count one applied batch's duration (the caller holds `lock`)."""
+        self.batch_duration_counts[bisect_left(BATCH_BUCKETS_S, seconds)] += 1
+        self.batch_duration_sum_s += seconds
+        self.last_batch_ms = seconds * 1000
 
 
 class BatchSink:
@@ -78,6 +96,7 @@ class BatchSink:
         self, batch: DataFrame, batch_id: int, ends: Mapping[int, int] | None = None
     ) -> None:
         """Apply one micro-batch; `ends`: partition -> the offset after the range it read."""
+        started = time.perf_counter()  # the batch's records are read (lazily) from here on
         checked = with_problems(batch, self._rules)
         if self._transform.is_ktable:
             records = checked.select(*CHANGE_COLUMNS, "problem").toArrow()
@@ -89,7 +108,7 @@ class BatchSink:
                 records, changes = self._transformed(batch_id, checked, records)
             finally:
                 checked.unpersist()
-        self._apply(batch_id, records, changes, ends or {})
+        self._apply(batch_id, records, changes, ends or {}, started)
 
     # -- a custom transform, and the records it fails on --------------------------------------
 
@@ -128,7 +147,12 @@ class BatchSink:
     # -- writing ------------------------------------------------------------------------------
 
     def _apply(
-        self, batch_id: int, records: pa.Table, changes: pa.Table, ends: Mapping[int, int]
+        self,
+        batch_id: int,
+        records: pa.Table,
+        changes: pa.Table,
+        ends: Mapping[int, int],
+        started: float,
     ) -> None:
         written = 0
         broken: MergeBroken | None = None
@@ -158,6 +182,7 @@ class BatchSink:
             self._stats.batches += 1
             self._stats.records += records.num_rows
             self._stats.changes_written += written
+            self._stats.observe_batch(time.perf_counter() - started)
         if broken is not None:
             raise broken  # that partition stays where it was, visibly stalled
 

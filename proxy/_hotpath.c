@@ -12,9 +12,11 @@
  * byte for byte (tests/proxy/test_hotpath.py compares the two on generated requests), or it
  * does nothing at all and hands the same bytes to the Python path (`slow_data_received`),
  * which owns every other case: partial reads, pipelining, bodies, limits, errors, budgets by
- * header, percent-encoded keys, unknown stores, retry statuses (421 by default), failover,
- * timeouts. Parsing is llhttp, the parser httptools (the Python path) is built on, vendored in
- * proxy/_llhttp.
+ * header, percent-encoded keys, unknown stores, retry statuses (421 by default), 5xx while
+ * they count towards ejection (proxy/outliers.py; the answers served here end a node's 5xx
+ * streak through its Tally's `answered`), failover, timeouts, and hedging (the pool's sweeper
+ * adopts a request still unanswered after the hedge delay). Parsing is llhttp, the parser
+ * httptools (the Python path) is built on, vendored in proxy/_llhttp.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -57,10 +59,13 @@ static long long wall_ms(void) {
 typedef struct {
     PyObject_HEAD
     long long value;
+    long long answered; /* node tallies: answers below 500 (proxy/outliers.py ends 5xx streaks) */
 } Tally;
 
 static PyMemberDef Tally_members[] = {
     {"value", T_LONGLONG, offsetof(Tally, value), 0, "count so far"},
+    {"answered", T_LONGLONG, offsetof(Tally, answered), 0,
+     "a node's answers below 500 (both paths): a 5xx streak ends when it moves"},
     {NULL},
 };
 
@@ -1158,7 +1163,8 @@ static int answer_fast(UpstreamBase *self, const char *data, Py_ssize_t length) 
     /* Python frames the rest: 1xx (absorbed), answers without a body whose Content-Length,
      * if any, is the node's (HEAD, 304) or must go (204), and statuses with no status line
      * (below): the proxy leaves the retry statuses (KROUTE_RETRY_STATUSES) out of the lines
-     * it gives the hub, so failover is decided in one place, proxy.exchange. */
+     * it gives the hub, so failover is decided in one place, proxy.exchange, and 5xx when
+     * they count towards ejection (proxy.outliers). */
     if (status < 200 || status >= STATUS_SLOTS || status == 204 || status == 304 ||
         self->head_only)
         return 0;
@@ -1193,6 +1199,9 @@ static int answer_fast(UpstreamBase *self, const char *data, Py_ssize_t length) 
 
     Cached *cached = (Cached *)self->cached;
     Candidate *chosen = (Candidate *)PyTuple_GET_ITEM(cached->candidates, self->shift);
+    /* Ends the node's 5xx streak (proxy/outliers.py): with ejection on, a 5xx has no status
+     * line, so every answer served here is below 500. */
+    if (status < 500) ((Tally *)chosen->node_tally)->answered++;
     char time_lag[48];
     int time_lag_length = 0;
     if (chosen->caught_up_at_ms >= 0) { /* the bound grows with time, even at lag 0 */

@@ -6,6 +6,7 @@ from proxy.choice import Choice, Replica
 
 class Tally:
     value: int
+    answered: int
 
 class Candidate:
     target: Any  # proxy.exchange.Target

@@ -20,6 +20,13 @@ or ejected replica is never moved ahead of them. With
 `standby_reads` off only the active may answer (Kafka Streams before KIP-535): kept as a
 policy for callers that must read the owner, and as the benchmarks' baseline.
 
+A read-your-writes request (`min_offset`, see common.freshness) prefers replicas whose reported
+position has reached the offset, and puts the others after them rather than refusing them:
+reports are a lag refresh plus a trip through Redis old, so right after a write no report has
+reached it yet, while the node itself checks its real position and waits a bounded time for
+it (materializer.read_bounds). Refusing them here would turn the common read right after a
+write into a 503.
+
 Unknown lag (no report, or a report older than `stale_after_ms`) is governed by an explicit
 policy: `reject` (the default) treats it as beyond any finite budget, because a read that is
 silently stale is worse than a clear 503; `accept` trusts such a replica. A replica is never
@@ -32,6 +39,8 @@ from dataclasses import dataclass
 from typing import Literal, TypeVar
 
 UnknownLagPolicy = Literal["reject", "accept"]
+# A candidate's sort key: (position reached, in sync, role, lag, time lag, node id), 0 first.
+_Order = tuple[int, int, int, int, int, str]
 Role = Literal["active", "standby"]
 T = TypeVar("T")
 
@@ -69,6 +78,12 @@ class Replica:
     lag: int | None  # offsets behind the high watermark; None when no report
     caught_up_at_ms: int | None  # last time seen with lag 0
     reported_at_ms: int | None
+    position: int | None = None  # the store's next offset, as last reported
+
+    def has_reached(self, min_offset: int | None) -> bool:
+        """Whether its last report shows `min_offset` applied (None: no bound). Reports only
+        grow, so even an old one that shows it is true (short of a store rebuilt since)."""
+        return min_offset is None or (self.position is not None and self.position > min_offset)
 
     def time_lag_ms(self, now_ms: int) -> int | None:
         """Upper bound on staleness: the time since the replica was last known caught up.
@@ -112,9 +127,10 @@ def choose_replicas(
     unknown_lag: UnknownLagPolicy = "reject",
     stale_after_ms: int = 3_000,
     standby_reads: bool = True,
+    min_offset: int | None = None,
 ) -> Choice:
-    eligible: list[tuple[tuple[int, int, int, int, str], Replica]] = []
-    last_resort: list[tuple[tuple[int, int, int, int, str], Replica]] = []
+    eligible: list[tuple[_Order, Replica]] = []
+    last_resort: list[tuple[_Order, Replica]] = []
     rejected: list[Rejection] = []
     for replica in replicas:
         reason = _why_not(
@@ -132,6 +148,7 @@ def choose_replicas(
         lag = replica.lag if fresh and replica.lag is not None else 2**62
         time_lag = replica.time_lag_ms(now_ms) if fresh else None
         order = (
+            0 if replica.has_reached(min_offset) else 1,
             0 if fresh and _in_sync(replica) else 1,
             0 if replica.role == "active" else 1,
             lag,
@@ -141,10 +158,18 @@ def choose_replicas(
         (last_resort if replica.node_id in ejected else eligible).append((order, replica))
     eligible.sort(key=lambda entry: entry[0])
     candidates = [replica for _, replica in eligible]
-    in_sync = sum(1 for order, _ in eligible if order[0] == 0)
     last_resort.sort(key=lambda entry: entry[0])
     candidates += [replica for _, replica in last_resort]
-    return Choice(tuple(candidates), tuple(rejected), max(in_sync, 1))
+    return Choice(tuple(candidates), tuple(rejected), _spread_width([o for o, _ in eligible]))
+
+
+def _spread_width(orders: list[_Order]) -> int:
+    """How many leading candidates reads may rotate over: the in-sync ones of the first group
+    by position (all of them without a min offset), never one behind another."""
+    if not orders or orders[0][1] != 0:
+        return 1
+    reached = orders[0][0]
+    return sum(1 for order in orders if order[:2] == (reached, 0))
 
 
 def _in_sync(replica: Replica) -> bool:

@@ -8,14 +8,30 @@ retry status (KROUTE_RETRY_STATUSES, 421 by default: "not mine or not ready"; th
 refreshed, the node is not ejected), only before any byte of the answer went to the client,
 and only within the retry budget (`proxy.retry_budget`), so a sick cluster is not hit with a
 multiple of its load. When no replica is left to ask, the last retry-status answer is passed
-on as the node sent it (a 404 from every replica is the key's real answer). A malformed or
-oversized answer is a 502 for that request: the node is not down, so it is neither ejected
-nor retried.
+on as the node sent it (a 404 from every replica is the key's real answer), except a node's
+refusal of the request's freshness bounds (421 with x-kroute-refused, proxy.freshness): that
+one does not refresh the table, and the last is answered with a 503 naming every refusal.
+A malformed or oversized answer is a 502 for that request: the node is not down, so it is
+neither ejected nor retried.
 
 An answer longer than the pool's buffer is streamed: its head goes to the client, then its
 body as it arrives, with the client's back-pressure pausing the node's connection. A node
 that fails mid-stream cannot be failed over any more (the client has part of an answer):
 the client's connection is closed without completing the answer, as HAProxy and Envoy do.
+
+Hedged reads (KROUTE_HEDGE_AFTER_MS): a keyed read whose try has no answer after the hedge
+delay (the pool's sweeper calls `on_slow`) is sent to the next candidate as well, if the retry
+budget gives a token: so hedges, like failovers, add at most the budget's share of load. The
+two tries race; the first with an answer to pass on (any final answer but a retry status)
+wins, and the other is cancelled: `UpstreamPool.abandon_sink` closes its connection, so its
+late bytes are never read, never pooled, never anyone's answer. A try that fails or answers a
+retry status while the other is out just drops out (a failure still ejects its node): the
+other one is then the exchange's only try and goes on as any try does. An answer streaming to
+the client is never hedged (the pool does not call `on_slow` for it). One hedge per request.
+The second try's sink is a `_Hedge`, so the exchange knows which try spoke.
+
+Outlier ejection (`proxy.outliers`): every final answer but a retry status, and every answer
+that cannot be passed on, is reported to the node's consecutive-5xx count.
 
 A request the C path (`proxy._hotpath`) forwarded is adopted by an exchange here when it
 cannot be finished in C (a failure, a retry status, a response that is not whole and simple):
@@ -36,6 +52,7 @@ from common.clock import now_ms
 from proxy._hotpath import Cached, Candidate
 from proxy.choice import LagBudget, Rejection, Replica, rotated
 from proxy.errors import UpstreamClosedKept, UpstreamFailure, UpstreamProtocol
+from proxy.freshness import NodeRefusal, refusal_of, unmet
 from proxy.health import Ejections
 from proxy.http import (
     CHUNKED,
@@ -50,8 +67,9 @@ from proxy.http import (
     request_head,
 )
 from proxy.metrics import ProxyMetrics
+from proxy.outliers import Outliers
 from proxy.retry_budget import RetryBudget
-from proxy.upstream import ResponseHead, UpstreamConnection, UpstreamPool
+from proxy.upstream import ResponseHead, ResponseSink, UpstreamConnection, UpstreamPool
 
 log = structlog.get_logger("kroute.proxy.exchange")
 
@@ -137,6 +155,11 @@ class ExchangeContext:
     in_flight: int = 0
     # Statuses meaning "not mine or not ready, ask the next replica" (KROUTE_RETRY_STATUSES).
     retry_statuses: frozenset[int] = frozenset({421})
+    # A keyed read's try: how long it may go unanswered (None: the pool's response timeout)
+    # and whether it is hedged (the delay is the pool's: its sweeper notices slow tries).
+    try_timeout_s: float | None = None
+    hedging: bool = False
+    outliers: Outliers | None = None
 
 
 class Exchange:
@@ -146,13 +169,18 @@ class Exchange:
         "_connection",
         "_ctx",
         "_framing",
+        "_furthest",
         "_head",
+        "_hedge",
+        "_hedged",
+        "_refusals",
         "_request",
         "_resent",
         "_status",
         "_tried",
         "budget",
         "idempotent",
+        "min_offset",
         "partition",
         "rejected",
         "store",
@@ -171,6 +199,7 @@ class Exchange:
         rejected: tuple[Rejection, ...],
         budget: LagBudget | None,
         idempotent: bool,
+        min_offset: int | None = None,
     ) -> None:
         self._ctx = ctx
         self._request = request
@@ -181,6 +210,8 @@ class Exchange:
         self.rejected = rejected
         self.budget = budget
         self.idempotent = idempotent
+        self.min_offset = min_offset  # read-your-writes: the offset the store must have applied
+        self._refusals: list[NodeRefusal] = []  # 421s with x-kroute-refused: bounds not met
         self._attempt = 0
         self._tried: list[dict[str, str]] = []
         self._head = b""
@@ -188,6 +219,9 @@ class Exchange:
         self._connection: UpstreamConnection | None = None  # while streaming an answer
         self._framing = ""
         self._status = 0
+        self._furthest = 0  # the furthest candidate sent to (a hedge goes beyond _attempt)
+        self._hedge: _Hedge | None = None  # the second try, while the two race
+        self._hedged = False
 
     @classmethod
     def adopt(cls, ctx: ExchangeContext, connection: UpstreamConnection) -> Exchange:
@@ -243,21 +277,28 @@ class Exchange:
         self._ctx.retry_budget.deposit()
         self._send()
 
-    def _send(self) -> None:
-        candidate = self.targets[self._attempt]
+    def _send(self, sink: ResponseSink | None = None, index: int | None = None) -> None:
+        candidate = self.targets[self._attempt if index is None else index]
         if candidate.choice_tally is not None:
             candidate.choice_tally.value += 1
         candidate.node_tally.value += 1
-        self._transmit(candidate.target, fresh=False)
+        self._transmit(candidate.target, fresh=False, sink=sink)
 
-    def _transmit(self, target: Target, *, fresh: bool) -> None:
+    def _transmit(self, target: Target, *, fresh: bool, sink: ResponseSink | None = None) -> None:
         message = self._head + target.host_line + b"\r\n" + self._request.body
-        self._ctx.pool.send(
+        ctx = self._ctx
+        # A read-your-writes request may wait on the node for its position (bounded by the
+        # node's KROUTE_MIN_OFFSET_WAIT_MS): slow by design, so neither hedged nor cut short
+        # by the per-try timeout (a lost hedge race would count against a healthy node).
+        keyed_read = self.store is not None and self.idempotent and self.min_offset is None
+        ctx.pool.send(
             target.origin,
             message,
-            self,
+            self if sink is None else sink,
             head_request=self._request.method == "HEAD",
             fresh=fresh,
+            timeout_s=ctx.try_timeout_s if keyed_read else None,
+            hedge=keyed_read and ctx.hedging and not self._hedged,
         )
 
     # -- the pool's ResponseSink ---------------------------------------------------------------
@@ -265,16 +306,29 @@ class Exchange:
     def on_response(
         self, connection: UpstreamConnection, head: ResponseHead, body: bytes, complete: bool
     ) -> None:
-        target = self.targets[self._attempt].target
+        candidate = self.targets[self._attempt]
+        target = candidate.target
         if self._is_retry_status(head.status):
-            ProxyMetrics.bump(self._ctx.metrics.misdirected, target.node_id)
-            self._ctx.refresh_table()  # the node may be telling us the table is out of date
-            self._tried.append({"node": target.node_id, "outcome": f"{head.status} (retry)"})
+            refusal = self._retry_answer(target, head)
+            if self._hedge is not None:  # the hedge is still out: it is the next replica
+                if not complete:
+                    connection.abandon()
+                self._promote_hedge()
+                return
             if self._may_retry():
                 if not complete:
                     connection.abandon()  # the rest of a long "not mine" is not worth reading
                 self._advance()
                 return
+            if refusal is not None:  # no replica left for the bounds: the proxy's 503 says why
+                if not complete:
+                    connection.abandon()
+                self._bounds_unmet()
+                return
+        else:
+            self._report(candidate, head.status)
+            if self._hedge is not None:  # this try answered first: the hedge lost
+                self._cancel_hedge()
         if complete:
             self._answer_whole(head, body)
         else:
@@ -302,10 +356,131 @@ class Exchange:
         target = self.targets[self._attempt].target
         if self._connection is not None:
             self._stream_failed(target, failure)
+        elif self._hedge is not None:  # the hedge is still out: wait for it
+            if not self._resend_kept(target, failure, self):
+                self._drop_out(self._attempt, failure)
+                self._promote_hedge()
         elif isinstance(failure, UpstreamProtocol):
             self._bad_answer(target, failure)
         else:
             self._failed(target, failure)
+
+    def on_slow(self) -> None:
+        """The try has had no answer for the hedge delay: send the request to the next
+        candidate too, if there is one and the retry budget gives a token (a hedge is load
+        the budget must bound exactly like a failover)."""
+        ctx = self._ctx
+        index = self._furthest + 1
+        if self._hedged or self._connection is not None or index >= len(self.targets):
+            return
+        self._hedged = True
+        if not ctx.retry_budget.withdraw():
+            ctx.metrics.retry_budget_exhausted += 1
+            return
+        ctx.metrics.hedges_sent += 1
+        self._furthest = index
+        self._hedge = _Hedge(self, index)
+        self._send(self._hedge, index)
+
+    # -- the hedge's race ----------------------------------------------------------------------
+
+    def hedge_response(
+        self,
+        hedge: _Hedge,
+        connection: UpstreamConnection,
+        head: ResponseHead,
+        body: bytes,
+        complete: bool,
+    ) -> None:
+        """The hedge answered while the first try is still out."""
+        candidate = self.targets[hedge.index]
+        if self._is_retry_status(head.status):
+            self._retry_answer(candidate.target, head)
+            if not complete:
+                connection.abandon()
+            hedge.state = _LOST
+            self._hedge = None
+            return
+        # The hedge wins: the first try is cancelled before anything else can happen to it.
+        ctx = self._ctx
+        ctx.pool.abandon_sink(self)
+        ctx.metrics.hedges_won += 1
+        slow = self.targets[self._attempt]
+        self._tried.append({"node": slow.target.node_id, "outcome": "lost a hedged race"})
+        if ctx.outliers is not None:
+            ctx.outliers.failed(slow, "lost a hedged race")
+        self._promote_hedge()
+        self.on_response(connection, head, body, complete)
+
+    def hedge_failed(self, hedge: _Hedge, failure: UpstreamFailure) -> None:
+        """The hedge failed while the first try is still out: that one goes on alone."""
+        if self._resend_kept(self.targets[hedge.index].target, failure, hedge):
+            return
+        self._drop_out(hedge.index, failure)
+        hedge.state = _LOST
+        self._hedge = None
+
+    def _promote_hedge(self) -> None:
+        """The first try is over: the hedge is this exchange's only try from now on."""
+        hedge = self._hedge
+        assert hedge is not None
+        hedge.state = _PROMOTED
+        self._hedge = None
+        self._attempt = hedge.index
+
+    def _cancel_hedge(self) -> None:
+        hedge = self._hedge
+        assert hedge is not None
+        hedge.state = _CANCELLED
+        self._hedge = None
+        self._ctx.metrics.hedges_cancelled += 1
+        self._ctx.pool.abandon_sink(hedge)
+        node = self.targets[hedge.index].target.node_id
+        self._tried.append({"node": node, "outcome": "hedge cancelled"})
+
+    def _drop_out(self, index: int, failure: UpstreamFailure) -> None:
+        """A racing try failed: it is counted (and its node ejected unless it answered)."""
+        ctx = self._ctx
+        candidate = self.targets[index]
+        target = candidate.target
+        ctx.metrics.failed(target.node_id, failure.kind)
+        self._tried.append({"node": target.node_id, "outcome": f"{failure.kind}: {failure}"})
+        if isinstance(failure, UpstreamProtocol):
+            self._report(candidate, 502)  # an answer the proxy cannot pass on
+        else:
+            ctx.ejections.eject(target.node_id, target.url, f"{failure.kind}: {failure}")
+            ctx.pool.drop_origin(target.origin)
+
+    def _resend_kept(self, target: Target, failure: UpstreamFailure, sink: ResponseSink) -> bool:
+        """A racing try's kept connection closed unanswered: resent once (see _failed)."""
+        if not isinstance(failure, UpstreamClosedKept) or self._resent:
+            return False
+        self._resent = True
+        self._ctx.metrics.resent_after_kept_close += 1
+        self._transmit(target, fresh=True, sink=sink)
+        return True
+
+    def _retry_answer(self, target: Target, head: ResponseHead) -> NodeRefusal | None:
+        ProxyMetrics.bump(self._ctx.metrics.misdirected, target.node_id)
+        bounded = self.min_offset is not None or self.budget is not None
+        refusal = refusal_of(head.lines) if bounded else None
+        if refusal is None:
+            self._ctx.refresh_table()  # the node may be telling us the table is out of date
+            outcome = f"{head.status} (retry)"
+        else:
+            # The node refused the request's freshness bounds (proxy.freshness): the table is
+            # right about where the partition is, and re-reading Redis would not make the node
+            # fresher (under a tight budget it would be a read of Redis per request).
+            self._refusals.append(refusal)
+            outcome = f"{head.status}: {refusal.reason}"
+        self._tried.append({"node": target.node_id, "outcome": outcome})
+        return refusal
+
+    def _report(self, candidate: Candidate, status: int) -> None:
+        """An answer from the candidate's node, for its consecutive-5xx count."""
+        outliers = self._ctx.outliers
+        if outliers is not None:
+            outliers.answered(candidate, status)
 
     def _is_retry_status(self, status: int) -> bool:
         """A keyed request's "not mine or not ready" answer. The node answered, so it is not
@@ -361,7 +536,9 @@ class Exchange:
         self._answer_error(status, "upstream_failed", detail, **self._attempts())
 
     def _bad_answer(self, target: Target, failure: UpstreamFailure) -> None:
-        """A node answered, but not in HTTP the proxy can pass on: 502, the node stays in."""
+        """A node answered, but not in HTTP the proxy can pass on: 502, the node stays in
+        (unless such answers and 5xx come KROUTE_EJECT_CONSECUTIVE_5XX times in a row)."""
+        self._report(self.targets[self._attempt], 502)
         self._ctx.metrics.failed(target.node_id, failure.kind)
         self._tried.append({"node": target.node_id, "outcome": f"{failure.kind}: {failure}"})
         log.warning(
@@ -396,7 +573,7 @@ class Exchange:
     def _may_retry(self) -> bool:
         """Whether a next candidate may be tried: there is one and the retry budget allows."""
         ctx = self._ctx
-        if self._attempt + 1 >= len(self.targets):
+        if max(self._attempt, self._furthest) + 1 >= len(self.targets):
             return False
         if not ctx.retry_budget.withdraw():
             ctx.metrics.retry_budget_exhausted += 1
@@ -406,7 +583,7 @@ class Exchange:
 
     def _advance(self) -> None:
         self._ctx.metrics.failovers += 1
-        self._attempt += 1
+        self._attempt = self._furthest = max(self._attempt, self._furthest) + 1
         self._send()
 
     # -- answers -------------------------------------------------------------------------------
@@ -454,6 +631,16 @@ class Exchange:
         self._ctx.in_flight += 1  # _finish counts it out
         self._answer_error(503, error, detail, **extra)
 
+    def _bounds_unmet(self) -> None:
+        """Every replica asked refused the request's freshness bounds (or the retry budget
+        ran out after one did): 503 naming each refusal, the offset asked and the furthest
+        position known, rather than the last node's 421."""
+        if self.store is not None:
+            ProxyMetrics.bump(self._ctx.metrics.no_replica, self.store)
+        replicas = [candidate.replica for candidate in self.targets]
+        error, detail, extra = unmet(self._refusals, self.min_offset, replicas)
+        self._answer_error(503, error, detail, **extra, **self._attempts())
+
     def _answer_error(self, status: int, error: str, detail: str, **extra: Any) -> None:
         request = self._request
         payload: dict[str, Any] = {"error": error, "detail": detail, **self._where(), **extra}
@@ -475,6 +662,8 @@ class Exchange:
             where.update(store=self.store, partition=self.partition)
         if self.budget is not None and not self.budget.unlimited:
             where["budget"] = {"max_lag": self.budget.max_offsets, "max_lag_ms": self.budget.max_ms}
+        if self.min_offset is not None:
+            where["min_offset"] = self.min_offset
         return where
 
     def _finish(self, message: bytes, status: int, *, keep_alive: bool) -> None:
@@ -499,6 +688,53 @@ class Exchange:
                 attempts=self._attempt + 1,
                 ms=round(elapsed * 1000, 3),
             )
+
+
+_RACING, _PROMOTED, _CANCELLED, _LOST = range(4)
+
+
+class _Hedge:
+    """The sink of a hedge: while it races the first try its callbacks go to the exchange's
+    race handling; once promoted (the first try is over) straight to the exchange's own; once
+    cancelled or lost, nowhere (a cancelled one's connection is closed: nothing more comes)."""
+
+    __slots__ = ("exchange", "index", "state")
+
+    def __init__(self, exchange: Exchange, index: int) -> None:
+        self.exchange = exchange
+        self.index = index
+        self.state = _RACING
+
+    def on_response(
+        self, connection: UpstreamConnection, head: ResponseHead, body: bytes, complete: bool
+    ) -> None:
+        if self.state == _RACING:
+            self.exchange.hedge_response(self, connection, head, body, complete)
+        elif self.state == _PROMOTED:
+            self.exchange.on_response(connection, head, body, complete)
+        elif not complete:
+            connection.abandon()
+
+    def on_body(self, data: bytes) -> None:
+        if self.state == _PROMOTED:
+            self.exchange.on_body(data)
+
+    def on_end(self) -> None:
+        if self.state == _PROMOTED:
+            self.exchange.on_end()
+
+    def on_failure(self, failure: UpstreamFailure) -> None:
+        if self.state == _RACING:
+            self.exchange.hedge_failed(self, failure)
+        elif self.state == _PROMOTED:
+            self.exchange.on_failure(failure)
+
+    def on_cancelled(self) -> None:
+        if self.state == _PROMOTED:
+            self.exchange.on_cancelled()
+
+    def on_slow(self) -> None:
+        """A hedge is never hedged again (it is sent without asking for this)."""
 
 
 def _rejection(rejection: Rejection) -> dict[str, str]:

@@ -40,6 +40,7 @@ from proxy.errors import (
     UnknownStore,
 )
 from proxy.exchange import Client, Exchange, ExchangeContext, Target, provenance_lines
+from proxy.freshness import MIN_OFFSET, min_offset_of, with_budget
 from proxy.http import ClientRequest, json_response
 from proxy.metrics import ProxyMetrics
 from proxy.routes import CompiledRoute, KeyedRequest, RouteTable
@@ -49,7 +50,8 @@ log = structlog.get_logger("kroute.proxy.handler")
 
 MAX_LAG_HEADER = b"x-kroute-max-lag"
 MAX_LAG_MS_HEADER = b"x-kroute-max-lag-ms"
-BUDGET_HEADERS = (MAX_LAG_HEADER, MAX_LAG_MS_HEADER)  # requests with them take the Python path
+# Requests with freshness headers take the Python path (the C path has no per-request choice).
+BUDGET_HEADERS = (MAX_LAG_HEADER, MAX_LAG_MS_HEADER, MIN_OFFSET)
 IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS"})
 KEYED_METHODS = frozenset({"GET", "HEAD"})
 
@@ -188,7 +190,10 @@ class RequestHandler:
                 exc.reason, key=keyed.key, key_format=exc.key_format, store=keyed.store
             ) from None
         budget = self._request_budget(request)
-        choice, candidates = self._choice(store, keyed.store, partition, budget)
+        min_offset = min_offset_of(request.header(MIN_OFFSET), partition)
+        if budget is not None:  # the node checks the budget the proxy applies, not a looser one
+            request.headers = with_budget(request.headers, budget)
+        choice, candidates = self._choice(store, keyed.store, partition, budget, min_offset)
         if self.policy.spread:
             self._counter += 1
             candidates = rotated(candidates, choice.spread_width, self._counter)
@@ -202,6 +207,7 @@ class RequestHandler:
             rejected=choice.rejected,
             budget=budget,
             idempotent=True,
+            min_offset=min_offset,
         ).start()
 
     def _passthrough(self, request: ClientRequest, client: Client) -> None:
@@ -250,12 +256,18 @@ class RequestHandler:
         return self.policy.budget.tightened(asked)
 
     def _choice(
-        self, store: StoreRoute, name: str, partition: int, budget: LagBudget | None
+        self,
+        store: StoreRoute,
+        name: str,
+        partition: int,
+        budget: LagBudget | None,
+        min_offset: int | None = None,
     ) -> tuple[Choice, tuple[Candidate, ...]]:
         at = now_ms()
         policy = self.policy
         cache = self._choices[name]
-        if budget is None:
+        cacheable = budget is None and min_offset is None
+        if cacheable:
             cached = cache[partition]
             if cached is not None and at < cached.expires_ms:
                 return cached.choice, cached.candidates
@@ -269,11 +281,12 @@ class RequestHandler:
             unknown_lag=policy.unknown_lag,
             stale_after_ms=policy.stale_after_ms,
             standby_reads=policy.standby_reads,
+            min_offset=min_offset,
         )
         candidates = tuple(
             self._candidate(self._targets[r.node_id], r, name, partition) for r in choice.candidates
         )
-        if budget is None:
+        if cacheable:
             expires = choice_expires_at(
                 replicas, effective, now_ms=at, stale_after_ms=policy.stale_after_ms
             )

@@ -30,8 +30,10 @@ from proxy.exchange import Exchange, ExchangeContext
 from proxy.handler import BUDGET_HEADERS, ChoicePolicy, RequestHandler
 from proxy.health import Ejections
 from proxy.http import BODY_HEADERS, DROP_FROM_REQUEST, DROP_FROM_RESPONSE, status_lines
+from proxy.lag_metrics import ReplicaLagCollector
 from proxy.listener import Limits, Listener
 from proxy.metrics import MetricsCollector, ProxyMetrics
+from proxy.outliers import Outliers
 from proxy.retry_budget import RetryBudget
 from proxy.routes import RouteTable
 from proxy.settings import ProxySettings
@@ -62,15 +64,18 @@ class Proxy:
         )
         # The C path serves the common case; with the access log on, every request takes the
         # Python path (which logs each one). Answers with a retry status have no status line
-        # in C, so the C path hands them to the Python exchange, which fails over.
+        # in C, so the C path hands them to the Python exchange, which fails over; so are
+        # 5xx when they count towards ejection (proxy.outliers).
         retry_statuses = settings.retry_status_codes()
+        counted = frozenset(range(500, 600)) if settings.eject_consecutive_5xx else frozenset()
+        try_timeout_s = settings.try_timeout_ms() / 1000  # the C path forwards keyed reads only
         self.hub = Hub(
-            status_lines=status_lines(leave_out=retry_statuses),
+            status_lines=status_lines(leave_out=retry_statuses | counted),
             request_drop=tuple(sorted(DROP_FROM_REQUEST)),
             response_drop=tuple(sorted(DROP_FROM_RESPONSE)),
             python_only=BODY_HEADERS + BUDGET_HEADERS,
             id_prefix=os.urandom(4).hex().encode(),
-            response_timeout_s=settings.upstream_timeout_ms / 1000,
+            response_timeout_s=try_timeout_s,
             idle_timeout_s=settings.idle_timeout_ms / 1000,
             max_response_bytes=settings.max_response_bytes,
             max_request_bytes=settings.max_header_bytes,
@@ -86,6 +91,8 @@ class Proxy:
             idle_per_origin=settings.upstream_idle_per_node,
             max_response_bytes=settings.max_response_bytes,
             idle_timeout_s=settings.upstream_idle_timeout_ms / 1000,
+            try_timeout_s=try_timeout_s,
+            hedge_after_s=settings.hedge_after_ms / 1000 if settings.hedge_after_ms else None,
         )
         self.ejections = Ejections(
             eject_ms=settings.eject_ms,
@@ -112,6 +119,17 @@ class Proxy:
             ),
             access_log=settings.access_log,
             retry_statuses=retry_statuses,
+            try_timeout_s=try_timeout_s,
+            hedging=settings.hedge_after_ms is not None,
+            outliers=Outliers(
+                self.ejections,
+                self.metrics,
+                consecutive_5xx=settings.eject_consecutive_5xx,
+                max_ejection_percent=settings.max_ejection_percent,
+                live_nodes=lambda: len(self.watcher.snapshot.alive),
+            )
+            if settings.eject_consecutive_5xx
+            else None,
         )
         self.handler = RequestHandler(
             routes=RouteTable(settings.route_specs()),
@@ -146,6 +164,7 @@ class Proxy:
         self.watcher.on_snapshot = self.handler.use_snapshot
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(MetricsCollector(self.metrics, self._gauges, self.hub.stats))
+        self.registry.register(ReplicaLagCollector(lambda: self.watcher.snapshot, now_ms))
 
     def stop(self) -> None:
         self._stop.set()

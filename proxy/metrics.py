@@ -41,6 +41,11 @@ class ProxyMetrics:
     streamed: int = 0  # answers longer than the buffer, passed on as they arrived
     cut_short: int = 0  # streamed answers whose node failed midway (client connection reset)
     retry_budget_exhausted: int = 0
+    hedges_sent: int = 0
+    hedges_won: int = 0  # the hedge's answer went to the client (the first try was closed)
+    hedges_cancelled: int = 0  # the first try answered first (the hedge was closed)
+    outlier_ejections: int = 0  # nodes ejected for consecutive 5xx
+    outlier_ejections_capped: int = 0  # such ejections refused by KROUTE_MAX_EJECTION_PERCENT
     no_replica: dict[str, int] = field(default_factory=dict)  # store
     misdirected: dict[str, int] = field(default_factory=dict)  # node
     rejected: dict[str, int] = field(default_factory=dict)  # error code
@@ -173,6 +178,30 @@ class MetricsCollector(Collector):
             "Failovers refused because the retry budget was spent",
             value=m.retry_budget_exhausted,
         )
+        for name, help_text, total in (
+            ("kroute_proxy_hedges_sent", "Keyed reads sent to the next replica too", m.hedges_sent),
+            (
+                "kroute_proxy_hedges_won",
+                "Hedges whose answer went to the client (the first try was closed)",
+                m.hedges_won,
+            ),
+            (
+                "kroute_proxy_hedges_cancelled",
+                "Hedges closed because the first try answered first",
+                m.hedges_cancelled,
+            ),
+            (
+                "kroute_proxy_outlier_ejections",
+                "Nodes ejected after KROUTE_EJECT_CONSECUTIVE_5XX 5xx answers in a row",
+                m.outlier_ejections,
+            ),
+            (
+                "kroute_proxy_outlier_ejections_capped",
+                "Consecutive-5xx ejections refused by KROUTE_MAX_EJECTION_PERCENT",
+                m.outlier_ejections_capped,
+            ),
+        ):
+            yield CounterMetricFamily(name, help_text, value=total)
         for name, help_text, label, counts in (
             ("kroute_proxy_no_replica", "503s: no replica qualified", "store", m.no_replica),
             (

@@ -82,6 +82,7 @@ def build_snapshot(
                         lag=report.lag if report else None,
                         caught_up_at_ms=report.caught_up_at_ms if report else None,
                         reported_at_ms=report.updated_at_ms if report else None,
+                        position=report.current_offset if report else None,
                     )
                 )
             per_partition.append(tuple(replicas))

@@ -139,6 +139,22 @@ class ProxySettings(EnvSettings):
     upstream_timeout_ms: int = Field(
         default=2000, ge=1, le=600_000, description="A node's whole response, once connected."
     )
+    per_try_timeout_ms: int | None = Field(
+        default=None,
+        ge=1,
+        le=600_000,
+        description="A keyed read's try with no answer yet after this fails over like a timeout "
+        "(and ejects the node); an answer already streaming keeps KROUTE_UPSTREAM_TIMEOUT_MS "
+        "(unset: that timeout).",
+    )
+    hedge_after_ms: int | None = Field(
+        default=None,
+        ge=1,
+        le=600_000,
+        description="Hedged reads: a keyed read unanswered after this is also sent to the next "
+        "replica; the first answer wins and the other try is closed. Hedges draw on the retry "
+        "budget (unset: no hedging).",
+    )
     retry_budget_percent: float = Field(
         default=20.0,
         ge=0,
@@ -175,6 +191,21 @@ class ProxySettings(EnvSettings):
         description="Comma-separated statuses (400-599) meaning 'not mine or not ready': a keyed "
         "request so answered goes to the next replica (the node is not ejected); when every "
         "replica answers one, the last answer is passed on. Empty: none. E.g. 421,404,503.",
+    )
+    eject_consecutive_5xx: int = Field(
+        default=5,
+        ge=0,
+        le=1_000_000,
+        description="A node whose answers were this many 5xx (or unusable) in a row is ejected "
+        "(Envoy's consecutive_5xx; retry statuses do not count, any other answer resets). "
+        "0: never.",
+    )
+    max_ejection_percent: int = Field(
+        default=50,
+        ge=0,
+        le=100,
+        description="Consecutive-5xx ejection never leaves more than this share of the live "
+        "nodes ejected (at least one may be), so a bad deploy cannot eject everything.",
     )
     refresh_interval_ms: int = Field(
         default=1000,
@@ -257,6 +288,15 @@ class ProxySettings(EnvSettings):
         default="info", description="Log level of the proxy's JSON logs."
     )
 
+    @model_validator(mode="after")
+    def _hedge_before_timeout(self) -> ProxySettings:
+        if self.hedge_after_ms is not None and self.hedge_after_ms >= self.try_timeout_ms():
+            raise ValueError(
+                "KROUTE_HEDGE_AFTER_MS must be below the per-try timeout (KROUTE_PER_TRY_"
+                "TIMEOUT_MS, else KROUTE_UPSTREAM_TIMEOUT_MS): a try that timed out is not hedged"
+            )
+        return self
+
     @field_validator("routes")
     @classmethod
     def _routes_json(cls, value: str) -> str:
@@ -283,6 +323,12 @@ class ProxySettings(EnvSettings):
 
     def route_specs(self) -> tuple[RouteSpec, ...]:
         return parse_routes(self.routes)
+
+    def try_timeout_ms(self) -> int:
+        """How long a keyed read's try may go unanswered (never longer than a whole answer)."""
+        if self.per_try_timeout_ms is None:
+            return self.upstream_timeout_ms
+        return min(self.per_try_timeout_ms, self.upstream_timeout_ms)
 
     def retry_status_codes(self) -> frozenset[int]:
         return parse_retry_statuses(self.retry_statuses)

@@ -15,6 +15,11 @@ What a sink is told, in order:
   or `connection.abandon()` (the connection is closed, e.g. to fail over on a 421).
 - `on_failure(failure)` at most once, instead of or (while streaming) after `on_response`;
   or `on_cancelled()` when the client went away while the answer was streaming.
+- `on_slow()` at most once, before any of those, when the request was sent with `hedge` and
+  no answer came within the pool's `hedge_after_s` (the exchange may hedge it). Requests the
+  C path forwarded are keyed reads and always qualify: the slow one is adopted first.
+A sink whose try lost a hedged race is cancelled with `abandon_sink`: its connection (or the
+connect under way) is closed and it is told nothing more.
 
 Framing is checked, not trusted: a connection goes back to the pool only when its answer ended
 cleanly (content-length or chunked framing, keep-alive on both sides) with no byte after it,
@@ -30,9 +35,10 @@ closes before any byte of the answer fails with UpstreamClosedKept (the node's k
 timeout racing the request; the caller resends on a new connection), and the pool closes
 connections idle for `idle_timeout_s` itself, before a node's keep-alive timeout (uvicorn's
 is 5 s) makes that race likely. Deadlines are kept by one sweeper per pool, not a timer per
-request: the whole answer must arrive within the response timeout, except that a streamed
-body only has to keep moving (each chunk renews it) and a stream paused because the client
-is not reading has no upstream deadline (the client's send timeout bounds it).
+request: the whole answer must arrive within the try's timeout (the response timeout, or the
+per-try timeout of keyed reads, which the C path uses too), except that a streamed body only
+has to keep moving (each chunk renews the response timeout) and a stream paused because the
+client is not reading has no upstream deadline (the client's send timeout bounds it).
 
 `UpstreamConnection` extends the C half from `proxy._hotpath`: for requests the C path
 forwarded, it answers the client itself when the response is whole and simple, and otherwise
@@ -92,6 +98,8 @@ class ResponseSink(Protocol):
 
     def on_cancelled(self) -> None: ...
 
+    def on_slow(self) -> None: ...
+
 
 Adopt = Callable[["UpstreamConnection"], ResponseSink]
 
@@ -131,6 +139,9 @@ class UpstreamConnection(UpstreamBase, asyncio.Protocol):
         self._extra = False  # bytes arrived after the answer ended
         self._keep_alive = False  # both sides allow reuse, as the parser read the answer
         self._paused = False
+        self._hedge = False  # the sink wants on_slow once this request is slow
+        self._sent_at = 0.0
+        self._timeout_s = self._pool.response_timeout_s
 
     # -- asyncio.Protocol -------------------------------------------------------------------
 
@@ -143,6 +154,7 @@ class UpstreamConnection(UpstreamBase, asyncio.Protocol):
         head_request = bool(self.fast_head_only)
         self._sink = self._pool.adopt(self)
         self._head_request = head_request
+        self._timeout_s = self._pool.try_timeout_s  # what the C path gave it (a keyed read)
 
     def slow_data_received(self, data: bytes) -> None:
         if self._sink is None:
@@ -341,18 +353,45 @@ class UpstreamConnection(UpstreamBase, asyncio.Protocol):
         """A request (the Python path's or the C path's) awaits its response here."""
         return self._sink is not None or self.fast_client is not None
 
-    def send(self, request: bytes, sink: ResponseSink, *, head_request: bool) -> None:
+    def send(
+        self,
+        request: bytes,
+        sink: ResponseSink,
+        *,
+        head_request: bool,
+        timeout_s: float | None = None,
+        hedge: bool = False,
+    ) -> None:
         assert self.transport is not None
         self._sink = sink
         self._head_request = head_request
         self.busy = True
-        self.deadline = time.monotonic() + self._pool.response_timeout_s
+        self._hedge = hedge
+        self._timeout_s = self._pool.response_timeout_s if timeout_s is None else timeout_s
+        self._sent_at = time.monotonic()
+        self.deadline = self._sent_at + self._timeout_s
         self.transport.write(request)
+
+    def hedge_due(self, sent_before: float) -> bool:
+        """Whether the request here was sent before `sent_before` and may be hedged (once)."""
+        if self.fast_client is not None:  # the C path forwards keyed reads only
+            return bool(self.fast_received_at <= sent_before)
+        return self._hedge and not self._streaming and self._sent_at <= sent_before
+
+    def slow(self) -> None:
+        """No answer within the hedge delay: tell the sink (adopting a C-path request first)."""
+        if self.fast_client is not None:
+            self.adopt()
+        self._hedge = False
+        sink = self._sink
+        if sink is not None:
+            sink.on_slow()
 
     def expire(self) -> None:
         """The sweeper found this connection past its response deadline."""
         if self.waiting:
-            timeout_ms = self._pool.response_timeout_s * 1000
+            fast = self.fast_client is not None  # the C path's keyed read: the per-try timeout
+            timeout_ms = (self._pool.try_timeout_s if fast else self._timeout_s) * 1000
             what = "no body bytes for" if self._streaming else "no whole response within"
             self._fail(UpstreamTimeout(f"{what} {timeout_ms:.0f} ms"))
 
@@ -395,18 +434,23 @@ class UpstreamPool:
         idle_per_origin: int,
         max_response_bytes: int,
         idle_timeout_s: float = 4.0,
+        try_timeout_s: float | None = None,
+        hedge_after_s: float | None = None,
     ) -> None:
         self.loop = asyncio.get_running_loop()
         self.hub = hub
         self.connect_timeout_s = connect_timeout_s
         self.response_timeout_s = response_timeout_s
+        # A keyed read's try (the hub's response_timeout_s must be the same: the C path's).
+        self.try_timeout_s = response_timeout_s if try_timeout_s is None else try_timeout_s
+        self.hedge_after_s = hedge_after_s
         self.idle_per_origin = idle_per_origin
         self.idle_timeout_s = idle_timeout_s
         self.max_response_bytes = max_response_bytes
         # Lists, never replaced: the C path pops from and appends to them too.
         self._idle: dict[Origin, list[UpstreamConnection]] = {}
         self._open: set[UpstreamConnection] = set()
-        self._connecting: set[asyncio.Task[None]] = set()
+        self._connecting: dict[asyncio.Task[None], ResponseSink] = {}
         self._sweeper: asyncio.Task[None] | None = None
         self.opened = 0
         self.adopt: Adopt = _no_adopter
@@ -417,14 +461,43 @@ class UpstreamPool:
     def start(self) -> None:
         self._sweeper = self.loop.create_task(self._sweep())
 
+    def _tick_s(self) -> float:
+        """The sweeper's period: fine enough for the shortest deadline it keeps (a hedge is
+        sent at most a quarter of its delay late), never busier than every 5 ms."""
+        shortest = min(self.try_timeout_s, self.idle_timeout_s) / 8
+        if self.hedge_after_s is not None:
+            shortest = min(shortest, self.hedge_after_s / 4)
+        return min(max(shortest, 0.005), 0.25)
+
     async def _sweep(self) -> None:
-        tick = min(max(min(self.response_timeout_s, self.idle_timeout_s) / 8, 0.005), 0.25)
+        tick = self._tick_s()
         while True:
             await asyncio.sleep(tick)
             now = time.monotonic()
-            for connection in [c for c in self._open if c.busy and c.deadline < now]:
+            expired, slow = self._due(now)
+            for connection in expired:
                 connection.expire()
+            for connection in slow:
+                if connection.busy and not connection.closed:  # an earlier one may have ended it
+                    connection.slow()
             self._close_long_idle(now - self.idle_timeout_s)
+
+    def _due(self, now: float) -> tuple[list[UpstreamConnection], list[UpstreamConnection]]:
+        """Busy connections past their deadline, and (hedging on) those whose request waited
+        longer than the hedge delay. One pass over the open connections per tick."""
+        if self.hedge_after_s is None:
+            return [c for c in self._open if c.busy and c.deadline < now], []
+        sent_before = now - self.hedge_after_s
+        expired: list[UpstreamConnection] = []
+        slow: list[UpstreamConnection] = []
+        for connection in self._open:
+            if not connection.busy:
+                continue
+            if connection.deadline < now:
+                expired.append(connection)
+            elif connection.hedge_due(sent_before):
+                slow.append(connection)
+        return expired, slow
 
     def _close_long_idle(self, idle_before: float) -> None:
         for idle in self._idle.values():
@@ -440,20 +513,50 @@ class UpstreamPool:
         *,
         head_request: bool = False,
         fresh: bool = False,
+        timeout_s: float | None = None,
+        hedge: bool = False,
     ) -> None:
-        """Over an idle connection to origin, or a new one (always, with `fresh`)."""
+        """Over an idle connection to origin, or a new one (always, with `fresh`); the answer
+        must come within `timeout_s` (default: the response timeout); `hedge`: see on_slow."""
         idle = None if fresh else self._idle.get(origin)
         while idle:
             connection = idle.pop()
             if not connection.closed and not connection.transport.is_closing():
-                connection.send(request, sink, head_request=head_request)
+                connection.send(
+                    request, sink, head_request=head_request, timeout_s=timeout_s, hedge=hedge
+                )
                 return
-        task = self.loop.create_task(self._connect_and_send(origin, request, sink, head_request))
-        self._connecting.add(task)
-        task.add_done_callback(self._connecting.discard)
+        task = self.loop.create_task(
+            self._connect_and_send(
+                origin, request, sink, head_request=head_request, timeout_s=timeout_s, hedge=hedge
+            )
+        )
+        self._connecting[task] = sink
+        task.add_done_callback(self._connected)
+
+    def _connected(self, task: asyncio.Task[None]) -> None:
+        self._connecting.pop(task, None)
+
+    def abandon_sink(self, sink: ResponseSink) -> None:
+        """`sink` lost a hedged race: close the connection its request is on (never back to
+        the pool mid-answer: what the node sends later is never read), or stop its connect."""
+        for connection in self._open:
+            if connection._sink is sink:
+                connection.abandon()
+                return
+        for task, waiting in list(self._connecting.items()):
+            if waiting is sink:
+                task.cancel()  # a connection made meanwhile is closed by create_connection
 
     async def _connect_and_send(
-        self, origin: Origin, request: bytes, sink: ResponseSink, head_request: bool
+        self,
+        origin: Origin,
+        request: bytes,
+        sink: ResponseSink,
+        *,
+        head_request: bool,
+        timeout_s: float | None,
+        hedge: bool,
     ) -> None:
         try:
             async with asyncio.timeout(self.connect_timeout_s):
@@ -468,7 +571,7 @@ class UpstreamPool:
             return
         self.opened += 1
         self._open.add(connection)
-        connection.send(request, sink, head_request=head_request)
+        connection.send(request, sink, head_request=head_request, timeout_s=timeout_s, hedge=hedge)
 
     def release(self, connection: UpstreamConnection) -> None:
         idle = self.idle_list(connection.origin)
