@@ -107,24 +107,25 @@ def merged_assignment(
     held: Collection[int],
     at_ms: int,
     *,
-    take: bool,
+    take: bool | Collection[int],
 ) -> Assignment | None:
     """The stored assignment with this node active on exactly the partitions it holds, or
     None when nothing changes.
 
     Each writer touches only entries naming itself, so agents merging concurrently never undo
-    each other. `take` (a rebalance just gave us the partitions) overwrites another node's
-    entry; without it (a periodic repair, after Redis lost its data) only empty entries are
-    filled: an instance resuming from a long pause must not take back what the group has
-    since given to someone else."""
+    each other. `take` (True: all held partitions; or the partitions a rebalance just gave
+    us) overwrites another node's entry; elsewhere (a periodic repair, after Redis lost its
+    data) only empty entries are filled: an instance resuming from a long pause must not take
+    back what the group has since given to someone else."""
     placements = dict(stored.stores.get(store.name, {})) if stored else {}
+    taking = set(held) if take is True else set(take or ())
     changed = False
     for partition in range(store.partitions):
         entry = placements.get(partition)
         standbys = entry.standbys if entry else ()
         if partition in held:
             free = entry is None or entry.active is None
-            if (entry is None or entry.active != node_id) and (take or free):
+            if (entry is None or entry.active != node_id) and (partition in taking or free):
                 placements[partition] = PartitionAssignment(node_id, standbys)
                 changed = True
         elif entry is not None and entry.active == node_id:
@@ -158,7 +159,14 @@ class Agent:
         self.timing = timing
         self.clock = SharedClock()  # Redis time, synced on every heartbeat
         self.held: frozenset[int] = frozenset()
+        # Given by a rebalance but not yet merged into the assignment (a Redis error during
+        # the callback): the loop retries taking them until a merge succeeds.
+        self.pending_take: frozenset[int] = frozenset()
         self.generation = 0  # of the last assignment this agent wrote or saw
+        # Rebalance callbacks and the periodic report write hosting and assignment one at a
+        # time, each from `held` as it is when it writes: a report that awaited positions
+        # while a partition was revoked must not publish it again.
+        self._writing = asyncio.Lock()
         self._ends: dict[int, EndHistory] = {}
         self._kafka: AIOKafkaClient | None = None
 
@@ -189,17 +197,20 @@ class Agent:
 
     async def assigned(self, partitions: Iterable[int]) -> None:
         """The group gave this instance these partitions (in addition to what it holds)."""
-        self.held = self.held | frozenset(partitions)
-        await self._publish_holding(take=True)
+        given = frozenset(partitions)
+        self.held = self.held | given
+        self.pending_take = self.pending_take | given
+        await self._publish_holding()
 
     async def revoked(self, partitions: Iterable[int]) -> None:
         """These partitions are no longer this instance's: unpublished before anyone else
         can take them (the group waits for revoke callbacks before reassigning)."""
         gone = frozenset(partitions)
         self.held = self.held - gone
+        self.pending_take = self.pending_take - gone
         for partition in gone:
             self._ends.pop(partition, None)
-        await self._publish_holding(take=False)
+        await self._publish_holding()
 
     def aiokafka_listener(
         self, inner: ConsumerRebalanceListener | None = None
@@ -208,10 +219,11 @@ class Agent:
         service's own) runs first on assignment (it may seek) and last on revocation."""
         return _AiokafkaListener(self, self.store.topic, inner)
 
-    async def _publish_holding(self, *, take: bool) -> None:
+    async def _publish_holding(self) -> None:
         try:
-            await self._merge_assignment(take=take)
-            await self.report(positions=None)
+            async with self._writing:
+                await self._merge_assignment()
+                await self._write_hosting(None)
         except (aioredis.RedisError, OSError) as exc:
             # The loops retry; a rebalance must not fail because Redis blinked.
             log.warning("could not publish a rebalance; retrying in the loop", error=str(exc))
@@ -267,13 +279,22 @@ class Agent:
     async def report(self, positions: PositionSource | None) -> None:
         """Write hosting and lag (one transaction, lag replaced as a whole). Without
         `positions` (a rebalance callback) only hosting changes: no lag reports are lost."""
-        held = self.held
-        reports: dict[str, bytes] = {}
+        reports: dict[str, bytes] | None = None
         if positions is not None:
+            held = self.held
             if held:
                 await self._read_ends(held, await positions(held))
             reports = await self._reports(held, positions)
-            await self._merge_assignment(take=False)  # heals a Redis that lost its data
+        async with self._writing:
+            if positions is not None:
+                # Heals a Redis that lost its data, and retries a take that failed.
+                await self._merge_assignment()
+            await self._write_hosting(reports)
+
+    async def _write_hosting(self, reports: dict[str, bytes] | None) -> None:
+        """hosting and lag from `held` as it is now (the caller holds `_writing`): reports
+        of partitions revoked since they were read are dropped."""
+        held = self.held
         at = self.clock.now_ms()
         hosting = Hosting(
             self.node.node_id,
@@ -284,7 +305,7 @@ class Agent:
         lag_key = self.keys.lag(self.node.node_id)
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.set(self.keys.hosting(self.node.node_id), encode(hosting))
-            if positions is None:  # drop reports of partitions given up, keep the others
+            if reports is None:  # drop reports of partitions given up, keep the others
                 gone = [
                     lag_field(self.store.name, p)
                     for p in range(self.store.partitions)
@@ -293,9 +314,11 @@ class Agent:
                 if gone:
                     pipe.hdel(lag_key, *gone)
             else:
+                still_held = {lag_field(self.store.name, p) for p in held}
+                kept = {f: r for f, r in reports.items() if f in still_held}
                 pipe.delete(lag_key)
-                if reports:
-                    pipe.hset(lag_key, mapping=reports)  # type: ignore[arg-type]
+                if kept:
+                    pipe.hset(lag_key, mapping=kept)  # type: ignore[arg-type]
                     pipe.pexpire(lag_key, self.timing.alive_ttl_ms * 10)
             pipe.publish(self.keys.events, encode(Event("lag", node_id=self.node.node_id)))
             await pipe.execute()
@@ -334,8 +357,11 @@ class Agent:
             reports[lag_field(self.store.name, partition)] = encode(report)
         return reports
 
-    async def _merge_assignment(self, *, take: bool) -> None:
+    async def _merge_assignment(self) -> None:
+        """Merge `held` into the stored assignment, taking over the partitions of a
+        rebalance not merged yet (`pending_take`); they stay pending until a merge succeeds."""
         key = self.keys.assignment
+        taking = self.pending_take
         async with self.redis.pipeline(transaction=True) as pipe:
             while True:
                 try:
@@ -344,11 +370,12 @@ class Agent:
                     stored = _readable(raw)
                     new = merged_assignment(
                         stored, self.store, self.node.node_id, self.held, self.clock.now_ms(),
-                        take=take,
+                        take=taking,
                     )  # fmt: skip
                     if new is None:
                         await pipe.unwatch()  # type: ignore[no-untyped-call]
                         self.generation = stored.generation if stored else 0
+                        self.pending_take = self.pending_take - taking
                         return
                     pipe.multi()  # type: ignore[no-untyped-call]
                     pipe.set(key, encode(new))
@@ -357,6 +384,7 @@ class Agent:
                     )
                     await pipe.execute()
                     self.generation = new.generation
+                    self.pending_take = self.pending_take - taking
                     return
                 except WatchError:
                     continue  # another agent merged meanwhile: merge into theirs
@@ -365,9 +393,10 @@ class Agent:
         """A clean stop: give up every partition and the heartbeat at once (the TTL would
         have said the same a little later)."""
         with contextlib.suppress(aioredis.RedisError, OSError):
-            self.held = frozenset()
-            await self._merge_assignment(take=False)
-            await self.report(positions=None)
+            self.held = self.pending_take = frozenset()
+            async with self._writing:
+                await self._merge_assignment()
+                await self._write_hosting(None)
             await self.redis.delete(self.keys.alive(self.node.node_id))
 
 

@@ -23,7 +23,7 @@ from kroute import contract_check
 from kroute.adapters import faust as faust_adapter
 from kroute.adapters import fixed as fixed_adapter
 from kroute.embedded import EmbeddedServices
-from kroute.errors import KrouteError
+from kroute.errors import KrouteError, UsageError
 from kroute.product import SAMPLE_CUSTOMERS, Product, failover_demo, start_product
 from kroute.settings import RunSettings, SettingsError
 from partitioner import ALGORITHMS, KEY_FORMATS, PartitionerError, partition, serialize_key
@@ -151,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.handler(args))
-    except (SettingsError, PartitionerError) as exc:
+    except (SettingsError, PartitionerError, UsageError) as exc:
         print(f"kroute: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except (JavaNotFound, KrouteError) as exc:

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from common.clock import CLOCK_TOLERANCE_MS
 from common.contract import DEFAULT_CLUSTER, SCHEMA_VERSION, Keys, as_text, lag_field
+from kroute.errors import KrouteError, UsageError
 from partitioner import ALGORITHMS, KEY_FORMATS
 
 Level = Literal["error", "warning"]
@@ -303,9 +304,18 @@ def _check_report(where: str, value: ReportValue, report: Report, now_ms: int) -
     if value.current_offset < 0 or (value.end_offset is not None and value.end_offset < 0):
         report.error(where, "offsets are never negative")
     if value.end_offset is not None and value.current_offset > value.end_offset:
-        report.warning(where, "current_offset is past end_offset: the topic was truncated?")
+        report.error(
+            where,
+            f"current_offset {value.current_offset} is past end_offset {value.end_offset}: a "
+            "position the log never reached (proxies read it as lag 0)",
+        )
     if value.caught_up_at_ms is not None and value.caught_up_at_ms > value.updated_at_ms:
-        report.error(where, "caught_up_at_ms is later than updated_at_ms (stamp it when asked)")
+        report.error(
+            where,
+            f"caught_up_at_ms is {value.caught_up_at_ms - value.updated_at_ms} ms later than "
+            "updated_at_ms: caught up at a time the report had not reached (stamp it when "
+            "the end offset was asked for)",
+        )
     if value.caught_up_at_ms is not None and value.end_offset is None:
         report.warning(where, "caught_up_at_ms without end_offset: lag is unknown anyway")
     _check_time(where, "updated_at_ms", value.updated_at_ms, report, now_ms=now_ms, fresh=True)
@@ -481,10 +491,15 @@ def _decode(key: str, raw: bytes | None, report: Report, model: type[M]) -> M | 
 def run_check(
     redis_url: str, cluster: str, as_json: bool, say: Callable[[str], None] = print
 ) -> int:  # say: print by default (a CLI's output, not a log)
-    """The CLI's work: 0 when no errors, 1 otherwise."""
-    client = redis.Redis.from_url(redis_url, socket_timeout=5)
+    """The CLI's work: 0 when no errors, 1 otherwise (and when Redis cannot be read)."""
+    try:
+        client = redis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=5)
+    except ValueError as exc:
+        raise UsageError(f"--redis {redis_url!r}: {exc}") from None
     try:
         result = check(client, cluster)
+    except (redis.RedisError, OSError) as exc:
+        raise KrouteError(f"cannot read Redis at {redis_url}: {exc}") from None
     finally:
         client.close()
     say(result.as_json() if as_json else result.as_text())

@@ -54,7 +54,7 @@ from materializer.assignment import Member, compute_assignment
 log = structlog.get_logger("kroute.materializer.cluster")
 
 # Renew the lease only if we still hold it; write only while we hold it (fencing).
-_RENEW_LEASE = """
+RENEW_LEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('PEXPIRE', KEYS[1], ARGV[2])
 end
@@ -63,7 +63,7 @@ return 0
 # Write only while we hold the lease (fencing) and only a generation greater than the stored
 # one: two different assignments must never share a generation. A stored value that is not
 # JSON with a numeric generation cannot be compared and is overwritten.
-_WRITE_IF_LEADER = """
+WRITE_IF_LEADER = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then
   return 0
 end
@@ -213,7 +213,7 @@ class ClusterMember:
         leave nobody leading until the lease ran out."""
         me = self.node.node_id
         lease = self.timing.leader_lease_ms
-        if await self.redis.eval(_RENEW_LEASE, 1, self.keys.leader, me, lease):
+        if await self.redis.eval(RENEW_LEASE, 1, self.keys.leader, me, lease):
             if not self.is_leader:
                 log.info("holding the leader lease")
             self.is_leader = True
@@ -286,7 +286,7 @@ class ClusterMember:
     async def _write(self, assignment: Assignment) -> Written:
         event = encode(Event("assignment", generation=assignment.generation))
         reply = await self.redis.eval(
-            _WRITE_IF_LEADER, 3, self.keys.leader, self.keys.assignment, self.keys.events,
+            WRITE_IF_LEADER, 3, self.keys.leader, self.keys.assignment, self.keys.events,
             self.node.node_id, encode(assignment), event, assignment.generation,
         )  # fmt: skip
         return Written(int(reply))

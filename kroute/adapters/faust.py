@@ -19,7 +19,10 @@ needs to send each lookup straight to the worker that owns the key's partition:
   does not answer stops being refreshed (its `alive` key expires) and after `dead_after` failed
   probes in a row its `alive` key is deleted at once.
 
-The adapter is the only writer of its cluster's keys: give it a cluster name of its own.
+The adapter is the only writer of its cluster's keys: give it a cluster name of its own. A
+lease in `leader` enforces it (`kroute.adapters.fencing`): a second adapter waits. After an
+owner change the group's lag describes the previous owner, so the partition has no lag report
+until the group commits again (the new owner consumes only once it has restored).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
+import orjson
 import redis.asyncio as aioredis
 import structlog
 from aiokafka.admin import AIOKafkaAdminClient
@@ -44,8 +48,6 @@ from aiokafka.structs import TopicPartition
 from common.clock import SHARED
 from common.contract import (
     DEFAULT_CLUSTER,
-    Assignment,
-    ContractError,
     Event,
     Hosting,
     Keys,
@@ -54,11 +56,13 @@ from common.contract import (
     PartitionReport,
     Role,
     StoreInfo,
-    decode_assignment,
     encode,
     lag_field,
 )
-from kroute.errors import KrouteError
+from kroute.adapters import probing
+from kroute.adapters.fencing import OwnerLease
+from kroute.adapters.probing import redis_url_error
+from kroute.errors import UsageError
 from materializer.kafka_offsets import fetch_high_watermarks
 
 log = structlog.get_logger("kroute.adapters.faust")
@@ -71,7 +75,7 @@ _LEADER_TOPIC = "__assignor-__leader"  # Faust's internal topic: never a table's
 RouterMap = dict[str, dict[str, list[int]]]  # worker URL -> topic -> partitions
 
 
-class FaustAdapterError(KrouteError):
+class FaustAdapterError(UsageError):
     """Bad input to the Faust adapter, or a Faust app it cannot describe; says what to fix."""
 
 
@@ -89,9 +93,10 @@ class FaustAdapterSettings:
     interval_ms: int = 500
     alive_ttl_ms: int = 2_000
     dead_after: int = 2  # failed probes in a row before a worker's alive key is deleted
-    http_timeout_ms: int = 1_000
+    http_timeout_ms: int = 1_000  # the whole of one HTTP probe, body included
     kafka_timeout_ms: int = 2_000
     redis_timeout_ms: int = 1_000
+    lease_ms: int = 5_000  # the writer lease: a second adapter takes over this long after us
     standbys: bool = False
 
     def validate(self) -> None:
@@ -102,12 +107,20 @@ class FaustAdapterSettings:
         for name, value in (("--table", self.table), ("--store", self.store)):
             if not value or "/" in value or ":" in value:
                 raise FaustAdapterError(f"{name} {value!r}: a non-empty name without '/' or ':'")
+        if (problem := redis_url_error(self.redis_url)) is not None:
+            raise FaustAdapterError(problem)
         if self.interval_ms < 50:
             raise FaustAdapterError(f"--interval-ms {self.interval_ms}: at least 50")
-        if self.alive_ttl_ms < 2 * self.interval_ms:
+        if self.alive_ttl_ms < max(2 * self.interval_ms, self.interval_ms + self.http_timeout_ms):
             raise FaustAdapterError(
                 f"--alive-ttl-ms {self.alive_ttl_ms} must be at least twice --interval-ms "
-                f"{self.interval_ms}, or a worker looks dead between two rounds"
+                f"{self.interval_ms} and more than --interval-ms plus --timeout-ms "
+                f"{self.http_timeout_ms}, or a live worker looks dead between two rounds"
+            )
+        if self.lease_ms < 2 * self.interval_ms + self.http_timeout_ms:
+            raise FaustAdapterError(
+                f"--lease-ms {self.lease_ms}: at least two intervals plus --timeout-ms, or the "
+                "lease lapses between rounds"
             )
         if self.dead_after < 1:
             raise FaustAdapterError(f"--dead-after {self.dead_after}: at least 1")
@@ -121,9 +134,13 @@ class FaustAdapterSettings:
 
 def _check_url(url: str) -> str:
     parts = urlsplit(url)
-    if parts.scheme != "http" or not parts.hostname or parts.port is None:
+    try:
+        port = parts.port
+    except ValueError:  # a port that is not a number
+        port = None
+    if parts.scheme != "http" or not parts.hostname or port is None or parts.path.strip("/"):
         raise FaustAdapterError(f"worker URL {url!r}: expected http://host:port")
-    return f"http://{parts.hostname}:{parts.port}"
+    return f"http://{parts.hostname}:{port}"
 
 
 def node_id_for(url: str) -> str:
@@ -135,19 +152,42 @@ def node_id_for(url: str) -> str:
 # -- reading Faust -----------------------------------------------------------------------------
 
 
-def parse_router(body: Any) -> RouterMap:
-    """A `/router/` (or `/router/topics`) answer: {url: {topic: [partition, ...]}}."""
+def _partition_list(parts: Any, count: int | None) -> list[int]:
+    """A JSON list of partitions: integers (not booleans) in 0..count-1, each once."""
+    if not isinstance(parts, list):
+        raise ValueError(f"expected a list of partitions, got {type(parts).__name__}")
+    bad = [p for p in parts if type(p) is not int or p < 0 or (count is not None and p >= count)]
+    if bad:
+        limit = f"0..{count - 1}" if count is not None else "0 or more"
+        raise ValueError(f"partitions {bad[:5]} are not integers in {limit}")
+    return sorted(set(parts))
+
+
+def parse_router(body: Any, partitions: Mapping[str, int] | None = None) -> RouterMap:
+    """A `/router/` (or `/router/topics`) answer: {url: {topic: [partition, ...]}}, each
+    partition once; `partitions` (topic -> count) bounds the topics it names."""
     if not isinstance(body, dict):
         raise ValueError(f"expected a JSON object of worker URLs, got {type(body).__name__}")
+    counts = partitions or {}
     parsed: RouterMap = {}
     for url, topics in body.items():
-        if not isinstance(topics, dict) or not all(
-            isinstance(parts, list) and all(isinstance(p, int) for p in parts)
-            for parts in topics.values()
-        ):
+        if not isinstance(topics, dict):
             raise ValueError(f"worker {url!r}: expected {{topic: [partition, ...]}}")
-        parsed[str(url)] = {str(t): sorted(parts) for t, parts in topics.items()}
+        try:
+            parsed[str(url)] = {
+                str(t): _partition_list(parts, counts.get(str(t))) for t, parts in topics.items()
+            }
+        except ValueError as exc:
+            raise ValueError(f"worker {url!r}: {exc}") from None
     return parsed
+
+
+def parse_standbys(body: Any, topic: str, partitions: int) -> tuple[int, ...]:
+    """A worker's own standbys of `topic` from its `/assignment/` answer."""
+    standbys = body.get("standbys") if isinstance(body, dict) else None
+    if not isinstance(standbys, dict):
+        raise ValueError("no standbys object (enable web_stats_enabled in the Faust app)")
+    return tuple(_partition_list(standbys.get(topic, []), partitions))
 
 
 def changelog_topic(views: Mapping[str, RouterMap], table: str, group: str | None) -> str | None:
@@ -170,7 +210,7 @@ def owners(views: Mapping[str, RouterMap], topic: str, partitions: int) -> dict[
     votes: dict[int, Counter[str]] = {p: Counter() for p in range(partitions)}
     for view in views.values():
         for url, topics in view.items():
-            for p in topics.get(topic, []):
+            for p in set(topics.get(topic, [])):
                 if p in votes:
                     votes[p][url] += 1
     placed: dict[int, str | None] = {}
@@ -202,29 +242,85 @@ def source_topics(topic_view: RouterMap, table_view: RouterMap, table_topic: str
 
 
 @dataclass
+class _PartitionLag:
+    owner: str | None = None  # the worker the history below describes
+    ends: deque[tuple[int, int]] = field(default_factory=lambda: deque(maxlen=_END_HISTORY))
+    takeover_at_ms: int | None = None  # a new owner took over: lag unknown until it consumes
+    commit_at_takeover: int | None = None  # the group's commit first read after the takeover
+    report: PartitionReport | None = None
+
+
+@dataclass
 class LagBook:
-    """Per partition: recent (high watermark sum, asked at) pairs, to date "caught up"."""
+    """Per partition: the group's lag, dated "caught up" from recent (end, asked at) pairs.
 
-    ends: dict[int, deque[tuple[int, int]]] = field(default_factory=dict)
+    The group's committed offset says how far the *owner* got only while the owner does not
+    change: a worker that just took a partition over restores the table from the changelog
+    first and consumes (and commits) only after that, while the commit still says where the
+    previous owner stopped. So on an owner change the partition's history is dropped and its
+    lag is unknown (no report) until the commit moves past the first one read after the
+    takeover."""
 
-    def report(self, partition: int, current: int, end: int, asked_at_ms: int) -> PartitionReport:
-        history = self.ends.setdefault(partition, deque(maxlen=_END_HISTORY))
-        history.append((end, asked_at_ms))
-        # Caught up at T: the group's committed position has reached an end read at T. The
-        # committed offset trails Faust's real position by up to one commit interval, so
-        # this is never later than the truth.
-        reached = [at for e, at in history if e <= current]
-        caught_up = SHARED.conservative_ms(max(reached)) if reached else None
-        return PartitionReport(
-            current_offset=current,
-            end_offset=end,
-            newest_record_ms=None,  # Faust does not say; the proxy does not need it
-            caught_up_at_ms=caught_up,
-            updated_at_ms=SHARED.now_ms(),
-        )
+    partitions: dict[int, _PartitionLag] = field(default_factory=dict)
+
+    def follow(self, owners_now: Mapping[int, str | None], now_ms: int) -> None:
+        for p, owner in owners_now.items():
+            if owner is None:
+                continue  # rebalancing: the next owner decides whether this is a takeover
+            state = self.partitions.setdefault(p, _PartitionLag())
+            if state.owner is not None and owner != state.owner:
+                log.info("new owner: lag unknown until it commits", partition=p, owner=owner)
+                state.ends.clear()
+                state.report = None
+                state.takeover_at_ms, state.commit_at_takeover = now_ms, None
+            state.owner = owner  # the first owner seen is trusted: nothing says otherwise
+
+    def observe(
+        self, committed: Mapping[int, int], ends: Mapping[int, int], asked_at_ms: int, at_ms: int
+    ) -> None:
+        """One reading of the group's commits and the high watermarks (asked at `asked_at_ms`)."""
+        for p, end in ends.items():
+            state = self.partitions.setdefault(p, _PartitionLag())
+            current = committed.get(p, 0)
+            if not self._owner_consumes(state, current, asked_at_ms):
+                continue
+            state.ends.append((end, asked_at_ms))
+            # Caught up at T: the group's committed position has reached an end read at T. The
+            # committed offset trails Faust's real position by up to one commit interval, so
+            # this is never later than the truth.
+            reached = [at for e, at in state.ends if e <= current]
+            caught_up = SHARED.conservative_ms(max(reached)) if reached else None
+            state.report = PartitionReport(current, end, None, caught_up, at_ms)
+
+    @staticmethod
+    def _owner_consumes(state: _PartitionLag, current: int, asked_at_ms: int) -> bool:
+        if state.takeover_at_ms is None:
+            return True
+        if asked_at_ms < state.takeover_at_ms:
+            return False  # read before the takeover: says nothing about the new owner
+        if state.commit_at_takeover is None:
+            state.commit_at_takeover = current
+            return False
+        if current <= state.commit_at_takeover:
+            return False
+        state.takeover_at_ms = state.commit_at_takeover = None
+        return True
+
+    def reports(self) -> dict[int, PartitionReport]:
+        return {p: s.report for p, s in self.partitions.items() if s.report is not None}
 
 
 # -- the adapter -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Probed:
+    """One worker's answers in one round."""
+
+    view: RouterMap | None  # None: the probe failed
+    standbys: tuple[int, ...] | None
+    answered_at_ms: int  # Redis time when its router answer arrived
+    error: str | None = None
 
 
 @dataclass
@@ -234,6 +330,7 @@ class Round:
     views: dict[str, RouterMap]  # live worker URL -> its router map
     standbys: dict[str, tuple[int, ...]]
     failed: dict[str, str]  # worker URL -> why its probe failed
+    answered_at: dict[str, int] = field(default_factory=dict)  # live worker URL -> Redis ms
 
 
 class FaustAdapter:
@@ -244,12 +341,12 @@ class FaustAdapter:
         self.seeds = tuple(_check_url(url) for url in settings.workers)
         self.known: dict[str, int] = {}  # worker URL -> first seen (Redis ms)
         self.failures: Counter[str] = Counter()
-        self.generation = 0
         self.placement: dict[int, PartitionAssignment] | None = None
         self.topic: str | None = None
         self.partitions = 0
         self.sources: list[str] = []
         self.lag_book = LagBook()
+        self._lag_task: asyncio.Task[None] | None = None
         self._warned: set[str] = set()
         timeout = settings.http_timeout_ms / 1000
         self.http = httpx.AsyncClient(timeout=timeout, trust_env=False)
@@ -258,8 +355,13 @@ class FaustAdapter:
             socket_timeout=settings.redis_timeout_ms / 1000,
             socket_connect_timeout=settings.redis_timeout_ms / 1000,
         )
+        self.lease = OwnerLease(self.redis, self.keys, kind=LEADER_ID, lease_ms=settings.lease_ms)
         self.kafka: AIOKafkaClient | None = None
         self.admin: AIOKafkaAdminClient | None = None
+
+    @property
+    def generation(self) -> int:
+        return self.lease.generation
 
     async def run(self, stop: asyncio.Event) -> None:
         """Publish every interval until `stop` is set; errors of one round are logged."""
@@ -270,6 +372,7 @@ class FaustAdapter:
             table=self.settings.table,
             store=self.settings.store,
             cluster=self.settings.cluster,
+            instance=self.lease.holder_id,
         )
         try:
             while not stop.is_set():
@@ -280,57 +383,123 @@ class FaustAdapter:
                 with contextlib.suppress(TimeoutError):  # the interval passed: next round
                     await asyncio.wait_for(stop.wait(), interval)
         finally:
+            with contextlib.suppress(Exception):  # best effort: the lease lapses anyway
+                await asyncio.wait_for(self.lease.release(), self.settings.redis_timeout_ms / 1000)
             await self.close()
 
     async def close(self) -> None:
+        if self._lag_task is not None:
+            self._lag_task.cancel()
+            await asyncio.gather(self._lag_task, return_exceptions=True)
         await self.http.aclose()
         await self.redis.aclose()
         await self._close_kafka()
 
     async def step(self) -> None:
-        """One round: probe, place, measure, publish."""
-        await asyncio.wait_for(SHARED.sync(self.redis), self.settings.redis_timeout_ms / 1000)
-        if self.generation == 0:
-            self.generation = await self._stored_generation()
+        """One round: hold the lease, probe, place, publish (lag is read alongside)."""
+        redis_timeout = self.settings.redis_timeout_ms / 1000
+        await asyncio.wait_for(SHARED.sync(self.redis), redis_timeout)
+        if not await asyncio.wait_for(self.lease.hold(), redis_timeout):
+            return  # another adapter writes this cluster (logged once by the lease)
         seen = await self._probe()
         if not await self._resolve_table(seen):
             return
         placement = self._placement(seen)
         if placement != self.placement:
-            self.generation += 1
-            log.info("placement changed", generation=self.generation, **_describe(placement))
+            log.info("placement changed", **_describe(placement))
             self.placement = placement
-        reports = await self._lag(placement)
-        await self._publish(seen, placement, reports)
+        self.lag_book.follow({p: a.active for p, a in placement.items()}, SHARED.now_ms())
+        self._start_lag_read()
+        await self._publish(seen, placement)
 
     # probing
 
     async def _probe(self) -> Round:
         urls = sorted(set(self.seeds) | set(self.known))
-        answers = await asyncio.gather(*(self._get_json(url, "/router/") for url in urls))
+        # Each worker on its own: a slow one costs the round at most the probe deadline, and
+        # the others' heartbeats are written as their answers arrive.
+        answers = await asyncio.gather(*(self._probe_worker(url) for url in urls))
         views: dict[str, RouterMap] = {}
         failed: dict[str, str] = {}
-        for url, (body, error) in zip(urls, answers, strict=True):
-            if error is not None:
-                failed[url] = error
+        standbys: dict[str, tuple[int, ...]] = {}
+        answered: dict[str, int] = {}
+        for url, probed in zip(urls, answers, strict=True):
+            if probed.view is None:
+                failed[url] = probed.error or "no answer"
                 continue
-            try:
-                views[url] = parse_router(body)
-            except ValueError as exc:
-                failed[url] = f"not a Faust /router/ answer: {exc}"
+            views[url], answered[url] = probed.view, probed.answered_at_ms
+            if probed.standbys is not None:
+                standbys[url] = probed.standbys
         self._learn_workers(views, failed)
-        standbys = await self._standbys(views) if self.settings.standbys else {}
         live = {url: view for url, view in views.items() if url in self.known}
-        return Round(live, standbys, {u: e for u, e in failed.items() if u in self.known})
+        return Round(
+            live,
+            {u: s for u, s in standbys.items() if u in live},
+            {u: e for u, e in failed.items() if u in self.known},
+            {u: at for u, at in answered.items() if u in live},
+        )
+
+    async def _probe_worker(self, url: str) -> Probed:
+        asking = [self._get_json(url, "/router/")]
+        if self.settings.standbys and self.topic is not None:
+            asking.append(self._get_json(url, "/assignment/"))
+        (body, error), *more = await asyncio.gather(*asking)
+        answered_at = SHARED.now_ms()
+        if error is not None:
+            return Probed(None, None, answered_at, error)
+        limits = {self.topic: self.partitions} if self.topic is not None else None
+        try:
+            view = parse_router(body, limits)
+        except ValueError as exc:
+            return Probed(None, None, answered_at, f"not a Faust /router/ answer: {exc}")
+        if url in self.known and view.get(url):
+            await self._heartbeat(url, answered_at)
+        return Probed(view, self._standbys_of(url, more[0]) if more else None, answered_at)
+
+    async def _heartbeat(self, url: str, answered_at_ms: int) -> None:
+        """Refresh a worker's `alive` key as soon as it answered (not after the slowest)."""
+        ttl = _remaining_ttl(self.settings.alive_ttl_ms, answered_at_ms)
+        if ttl <= 0:
+            return
+        try:
+            await asyncio.wait_for(
+                self.redis.set(self.keys.alive(node_id_for(url)), "1", px=ttl),
+                self.settings.redis_timeout_ms / 1000,
+            )
+        except (aioredis.RedisError, OSError, TimeoutError) as exc:
+            log.debug("heartbeat not written; the round's write retries", error=repr(exc))
+
+    def _standbys_of(self, url: str, answer: tuple[Any, str | None]) -> tuple[int, ...] | None:
+        body, error = answer
+        assert self.topic is not None
+        try:
+            if error is not None:
+                raise ValueError(error)
+            return parse_standbys(body, self.topic, self.partitions)
+        except ValueError as exc:
+            self._warn_once(f"standbys:{url}", "no usable standbys from /assignment/", url=url,
+                            error=str(exc))  # fmt: skip
+            return None
 
     def _learn_workers(self, views: Mapping[str, RouterMap], failed: Mapping[str, str]) -> None:
         now = SHARED.now_ms()
-        for view in views.values():
+        for seed, view in views.items():
             for url in view:
-                if url not in self.known:
+                if url in self.known:
+                    continue
+                try:
                     _check_url(url)  # Faust's canonical_url: the proxy needs http://host:port
-                    self.known[url] = now
-                    log.info("found worker", url=url, node_id=node_id_for(url))
+                except FaustAdapterError:
+                    self._warn_once(
+                        f"url:{url}",
+                        "a router lists a worker URL that is not http://host:port; skipped "
+                        "(set Faust's canonical_url to one)",
+                        url=url,
+                        listed_by=seed,
+                    )
+                    continue
+                self.known[url] = now
+                log.info("found worker", url=url, node_id=node_id_for(url))
         for url in views:
             self.failures.pop(url, None)
             if url not in self.known and views[url]:
@@ -345,33 +514,18 @@ class FaustAdapter:
             self.failures[url] += 1
             log.warning("worker probe failed", url=url, error=error, in_a_row=self.failures[url])
 
-    async def _standbys(self, views: Mapping[str, RouterMap]) -> dict[str, tuple[int, ...]]:
-        urls = [url for url in views if url in self.known]
-        answers = await asyncio.gather(*(self._get_json(url, "/assignment/") for url in urls))
-        found: dict[str, tuple[int, ...]] = {}
-        for url, (body, error) in zip(urls, answers, strict=True):
-            standby = body.get("standbys") if isinstance(body, dict) else None
-            if error is not None or not isinstance(standby, dict):
-                self._warn_once(
-                    f"standbys:{url}",
-                    "no standbys from /assignment/ (enable web_stats_enabled in the Faust app)",
-                    url=url,
-                    error=error,
-                )
-                continue
-            found[url] = tuple(sorted(standby.get(self.topic or "", [])))
-        return found
-
     async def _get_json(self, url: str, path: str) -> tuple[Any, str | None]:
         try:
-            response = await self.http.get(url + path)
-        except httpx.HTTPError as exc:
-            return None, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        if response.status_code != 200:
-            return None, f"{path} answered {response.status_code}"
+            answer = await probing.get(
+                self.http, url + path, deadline_s=self.settings.http_timeout_ms / 1000
+            )
+        except probing.ProbeFailed as exc:
+            return None, f"{path}: {exc}"
+        if answer.status != 200:
+            return None, f"{path} answered {answer.status}"
         try:
-            return response.json(), None
-        except ValueError:
+            return orjson.loads(answer.body), None
+        except orjson.JSONDecodeError:
             return None, f"{path} answered something that is not JSON"
 
     # placement
@@ -389,8 +543,16 @@ class FaustAdapter:
                 live_workers=sorted(seen.views),
             )
             return False
-        self.partitions = await self._partition_count(topic)
-        self.topic = topic
+        partitions = await self._partition_count(topic)
+        out_of_range = {
+            url: bad
+            for url, view in seen.views.items()
+            if (bad := [p for ps in view.values() for p in ps.get(topic, []) if p >= partitions])
+        }  # fmt: skip
+        if out_of_range:  # this round's maps were parsed before the count was known
+            log.warning("routers name partitions the topic does not have", found=out_of_range)
+            return False
+        self.partitions, self.topic = partitions, topic
         self.sources = list(self.settings.source_topics) or await self._discover_sources(seen)
         log.info(
             "found table",
@@ -407,8 +569,12 @@ class FaustAdapter:
         assert self.topic is not None
         for url, view in seen.views.items():
             body, error = await self._get_json(url, "/router/topics")
-            if error is None:
+            if error is not None:
+                continue
+            try:
                 return source_topics(parse_router(body), view, self.topic)
+            except ValueError as exc:
+                log.warning("not a Faust /router/topics answer", url=url, error=str(exc))
         return []
 
     def _placement(self, seen: Round) -> dict[int, PartitionAssignment]:
@@ -433,30 +599,29 @@ class FaustAdapter:
         assert self.topic is not None
         return self.topic[: -len(f"-{self.settings.table}-changelog")]
 
-    async def _lag(
-        self, placement: Mapping[int, PartitionAssignment]
-    ) -> dict[int, PartitionReport]:
-        partitions = [p for p, placed in placement.items() if placed.active]
-        if not self.sources or not partitions:
-            return {}
+    def _start_lag_read(self) -> None:
+        """Read lag beside the rounds, never inside one: a slow broker must not hold back
+        heartbeats (the rounds publish the latest reading; its age shows in updated_at_ms)."""
+        if self.sources and (self._lag_task is None or self._lag_task.done()):
+            self._lag_task = asyncio.create_task(self._read_lag())
+
+    async def _read_lag(self) -> None:
+        partitions = list(range(self.partitions))
         try:
             asked_at = SHARED.now_ms()
             committed, ends = await asyncio.wait_for(
                 self._offsets(partitions), self.settings.kafka_timeout_ms / 1000 * 2
             )
         except Exception as exc:  # noqa: BLE001 - publish placement without lag; say why
-            log.warning("cannot read offsets; lag unknown this round", error=repr(exc))
+            log.warning("cannot read offsets; lag unknown until they are read", error=repr(exc))
             await self._close_kafka()
-            return {}
-        return {
-            p: self.lag_book.report(
-                p,
-                sum(committed[(t, p)] for t in self.sources),
-                sum(ends[(t, p)] for t in self.sources),
-                asked_at,
-            )
-            for p in partitions
-        }
+            return
+        self.lag_book.observe(
+            {p: sum(committed[(t, p)] for t in self.sources) for p in partitions},
+            {p: sum(ends[(t, p)] for t in self.sources) for p in partitions},
+            asked_at,
+            SHARED.now_ms(),
+        )
 
     async def _offsets(
         self, partitions: list[int]
@@ -513,68 +678,80 @@ class FaustAdapter:
 
     # publishing
 
-    async def _stored_generation(self) -> int:
-        """Continue after the stored assignment's generation: it only grows (a restart)."""
-        raw = await self.redis.get(self.keys.assignment)
-        if raw is None:
-            return 0
-        try:
-            return decode_assignment(raw).generation
-        except ContractError as exc:
-            log.warning("stored assignment unreadable; starting at generation 1", error=str(exc))
-            return 0
-
-    async def _publish(
-        self,
-        seen: Round,
-        placement: dict[int, PartitionAssignment],
-        reports: Mapping[int, PartitionReport],
-    ) -> None:
+    async def _publish(self, seen: Round, placement: dict[int, PartitionAssignment]) -> None:
+        """Everything in one fenced transaction: only while we hold the lease."""
         assert self.topic is not None
-        keys, store, at = self.keys, self.settings.store, SHARED.now_ms()
+        keys, store = self.keys, self.settings.store
         info = StoreInfo(store, self.topic, self.partitions, self.settings.key_format)
         claims = self_claims(seen.views, self.topic)
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.sadd(keys.stores, store)
-        pipe.set(keys.store(store), encode(info))
-        pipe.set(
-            keys.assignment, encode(Assignment(self.generation, LEADER_ID, at, {store: placement}))
+        reports = self.lag_book.reports()
+
+        def queue(pipe: Any, generation: int) -> None:
+            pipe.sadd(keys.stores, store)
+            pipe.set(keys.store(store), encode(info))
+            for url, first_seen in sorted(self.known.items()):
+                node_id = node_id_for(url)
+                pipe.sadd(keys.nodes, node_id)
+                pipe.set(keys.node(node_id), encode(NodeInfo(node_id, url, first_seen)))
+                if url in seen.views:
+                    roles: dict[Role, tuple[int, ...]] = {
+                        "active": claims[url],
+                        "standby": seen.standbys.get(url, ()),
+                    }
+                    self._publish_live(pipe, node_id, roles, generation, seen.answered_at[url])
+                    self._publish_lag(pipe, node_id, claims[url], reports)
+                elif self.failures[url] >= self.settings.dead_after:
+                    pipe.delete(keys.alive(node_id))
+            pipe.publish(keys.events, encode(Event("hosting", generation=generation)))
+
+        at = SHARED.now_ms()
+        written = await asyncio.wait_for(
+            self.lease.write({store: placement}, LEADER_ID, at, queue),
+            self.settings.redis_timeout_ms / 1000,
         )
-        for url, first_seen in sorted(self.known.items()):
-            node_id = node_id_for(url)
-            pipe.sadd(keys.nodes, node_id)
-            pipe.set(keys.node(node_id), encode(NodeInfo(node_id, url, first_seen)))
-            if url in seen.views:
-                self._publish_live(pipe, node_id, claims[url], seen.standbys.get(url, ()), reports)
-            elif self.failures[url] >= self.settings.dead_after:
-                pipe.delete(keys.alive(node_id))
-        pipe.publish(keys.events, encode(Event("assignment", generation=self.generation)))
-        await asyncio.wait_for(pipe.execute(), self.settings.redis_timeout_ms / 1000)
+        if not written:
+            log.warning("round not published: the lease or assignment changed meanwhile")
 
     def _publish_live(
         self,
         pipe: Any,
         node_id: str,
+        roles: dict[Role, tuple[int, ...]],
+        generation: int,
+        answered_at_ms: int,
+    ) -> None:
+        keys, store = self.keys, self.settings.store
+        # The worker is known alive as of its answer, not as of now: a TTL counted from now
+        # would vouch for a worker that died after answering for longer than the TTL says.
+        ttl = _remaining_ttl(self.settings.alive_ttl_ms, answered_at_ms)
+        if ttl > 0:
+            pipe.set(keys.alive(node_id), "1", px=ttl)
+        hosting = Hosting(node_id, generation, {store: roles}, SHARED.now_ms())
+        pipe.set(keys.hosting(node_id), encode(hosting))
+
+    def _publish_lag(
+        self,
+        pipe: Any,
+        node_id: str,
         active: tuple[int, ...],
-        standby: tuple[int, ...],
         reports: Mapping[int, PartitionReport],
     ) -> None:
-        keys, store, at = self.keys, self.settings.store, SHARED.now_ms()
-        roles: dict[Role, tuple[int, ...]] = {"active": active, "standby": standby}
-        pipe.set(keys.alive(node_id), "1", px=self.settings.alive_ttl_ms)
-        pipe.set(
-            keys.hosting(node_id), encode(Hosting(node_id, self.generation, {store: roles}, at))
-        )
         # Replaced as a whole: no report may outlive the partition it was about.
-        pipe.delete(keys.lag(node_id))
+        key, store = self.keys.lag(node_id), self.settings.store
+        pipe.delete(key)
+        owned = {p: placed.active for p, placed in (self.placement or {}).items()}
         for p in active:
-            if p in reports:
-                pipe.hset(keys.lag(node_id), lag_field(store, p), encode(reports[p]))
+            if p in reports and owned.get(p) == node_id:  # the group's lag is the owner's
+                pipe.hset(key, lag_field(store, p), encode(reports[p]))
 
     def _warn_once(self, topic: str, message: str, **context: Any) -> None:
         if topic not in self._warned:
             self._warned.add(topic)
             log.warning(message, **context)
+
+
+def _remaining_ttl(ttl_ms: int, since_ms: int) -> int:
+    return ttl_ms - max(SHARED.now_ms() - since_ms, 0)
 
 
 def _describe(placement: Mapping[int, PartitionAssignment]) -> dict[str, Any]:
@@ -642,6 +819,13 @@ def add_command(adapters: Any) -> None:
         "--timeout-ms", type=int, default=1_000, help="timeout of each HTTP probe and Redis call"
     )
     faust.add_argument(
+        "--lease-ms",
+        type=int,
+        default=5_000,
+        help="the writer lease: a second adapter on the cluster waits, and takes over this "
+        "long after the first stops",
+    )
+    faust.add_argument(
         "--standbys",
         action="store_true",
         help="also publish standbys from "
@@ -667,6 +851,7 @@ def settings_from(args: Any) -> FaustAdapterSettings:
         dead_after=args.dead_after,
         http_timeout_ms=args.timeout_ms,
         redis_timeout_ms=args.timeout_ms,
+        lease_ms=args.lease_ms,
         standbys=args.standbys,
     )
 

@@ -13,10 +13,11 @@ honest about the two things a file cannot know:
   without one), or a consumer group's committed offsets against the high watermarks (read from
   Fetch responses). A commit trails what the service applied, so this lag is an upper bound.
   The group name may contain `{node}` for services where every replica consumes in a group
-  of its own.
+  of its own; without it the commits are the active's, so standbys get no report (unknown
+  lag), never the active's freshness.
 
-The adapter is the only writer of its cluster's keys (give it a cluster name of its own). The
-file is JSON:
+The adapter is the only writer of its cluster's keys (give it a cluster name of its own); a
+lease in `leader` enforces it (`kroute.adapters.fencing`). The file is JSON:
 
     {"nodes": {"a": "http://10.0.0.5:8000", "b": "http://10.0.0.6:8000"},
      "stores": {"customers": {"topic": "customers", "partitions": 2, "key_format": "string",
@@ -31,9 +32,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import Annotated, Literal, Self
+from string import Formatter
+from typing import Annotated, Any, Literal, Self
 from urllib.parse import urlsplit
 
 import httpx
@@ -47,8 +49,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from common.clock import SharedClock
 from common.contract import (
     DEFAULT_CLUSTER,
-    Assignment,
-    ContractError,
     Event,
     Hosting,
     Keys,
@@ -57,12 +57,14 @@ from common.contract import (
     PartitionReport,
     Role,
     StoreInfo,
-    decode_assignment,
     encode,
     lag_field,
 )
+from kroute.adapters import probing
+from kroute.adapters.fencing import OwnerLease
+from kroute.adapters.probing import redis_url_error
 from kroute.agent import EndHistory
-from kroute.errors import KrouteError
+from kroute.errors import UsageError
 from materializer.kafka_offsets import fetch_high_watermarks
 from partitioner import ALGORITHMS, KEY_FORMATS
 
@@ -72,7 +74,7 @@ LEADER_ID = "fixed-placement"  # the assignment's `leader`: this adapter wrote i
 _NO_COMMIT = -1  # OffsetFetch's offset for a partition the group never committed
 
 
-class PlacementFileError(KrouteError):
+class PlacementFileError(UsageError):
     """The placement file cannot be read or does not describe a placement."""
 
 
@@ -129,9 +131,19 @@ class StoreSpec(_Strict):
 class Health(_Strict):
     path: str = Field(default="/health/live", pattern=r"^/")
     interval_ms: int = Field(default=500, ge=50)
-    timeout_ms: int = Field(default=300, ge=10)
+    timeout_ms: int = Field(default=300, ge=10, description="the whole probe, body excluded")
     alive_ttl_ms: int = Field(default=2000, ge=100)
     dead_after: int = Field(default=2, ge=1, description="failed probes in a row: dead")
+
+    @model_validator(mode="after")
+    def _ttl_outlives_a_round(self) -> Self:
+        if self.alive_ttl_ms <= self.interval_ms + self.timeout_ms:
+            raise ValueError(
+                f"alive_ttl_ms {self.alive_ttl_ms} must exceed interval_ms + timeout_ms "
+                f"({self.interval_ms} + {self.timeout_ms}), or a live node looks dead between "
+                "two probes"
+            )
+        return self
 
 
 class UnknownLag(_Strict):
@@ -144,19 +156,40 @@ class GroupLag(_Strict):
     group: str = Field(min_length=1, description="may contain {node}: one group per replica")
     interval_ms: int = Field(default=1000, ge=100)
 
+    @field_validator("group")
+    @classmethod
+    def _only_node_placeholder(cls, group: str) -> str:
+        try:
+            parsed = list(Formatter().parse(group))
+        except ValueError as exc:
+            raise ValueError(f"{group!r}: {exc} (write {{{{ and }}}} for literal braces)") from None
+        unknown = sorted(
+            f"{{{name}}}"
+            for _, name, spec, _ in parsed
+            if name is not None and (name, spec) != ("node", "")
+        )
+        if unknown:
+            raise ValueError(f"{group!r}: unknown placeholders {unknown}; only {{node}} is known")
+        return group
+
+    @property
+    def per_replica(self) -> bool:
+        """Whether every replica consumes in a group of its own (the name has `{node}`)."""
+        return "{node}" in self.group
+
 
 class PlacementFile(_Strict):
     nodes: dict[str, str] = Field(min_length=1)
     stores: dict[str, StoreSpec] = Field(min_length=1)
     health: Health = Health()
     lag: Annotated[UnknownLag | GroupLag, Field(discriminator="source")] = UnknownLag()
+    lease_ms: int = Field(default=5000, ge=1000, description="the writer lease (fencing)")
 
     @field_validator("nodes")
     @classmethod
     def _urls(cls, nodes: dict[str, str]) -> dict[str, str]:
         for node_id, url in nodes.items():
-            parts = urlsplit(url)
-            if parts.scheme != "http" or not parts.hostname or parts.port is None:
+            if not _is_host_port(url):
                 raise ValueError(f"node {node_id!r}: {url!r} is not http://host:port")
             if ":" in node_id or not node_id:
                 raise ValueError(f"node id {node_id!r} must be non-empty without ':'")
@@ -173,6 +206,16 @@ class PlacementFile(_Strict):
                         f"store {name!r} partition {partition}: nodes {unknown} are not in "
                         f'"nodes" ({", ".join(self.nodes)})'
                     )
+        return self
+
+    @model_validator(mode="after")
+    def _lease_outlives_a_round(self) -> Self:
+        round_ms = 2 * self.health.interval_ms + self.health.timeout_ms
+        if self.lease_ms < round_ms:
+            raise ValueError(
+                f"lease_ms {self.lease_ms}: at least two health intervals plus the probe "
+                f"timeout ({round_ms}), or the lease lapses between rounds"
+            )
         return self
 
     def store_infos(self) -> dict[str, StoreInfo]:
@@ -202,50 +245,75 @@ class PlacementFile(_Strict):
         return hosted
 
 
-def load_placement(path: Path) -> PlacementFile:
-    """The file, validated; PlacementFileError saying where and what is wrong."""
+def _is_host_port(url: str) -> bool:
+    """http://host:port and nothing more: proxies ignore any other node URL."""
+    parts = urlsplit(url)
     try:
-        text = path.read_text()
+        port = parts.port
+    except ValueError:
+        return False
+    no_rest = not (parts.path.strip("/") or parts.query or parts.fragment)
+    return parts.scheme == "http" and bool(parts.hostname) and port is not None and no_rest
+
+
+def load_placement(path: Path) -> PlacementFile:
+    """The file, validated; PlacementFileError saying on one line where and what is wrong."""
+    try:
+        text = path.read_bytes().decode("utf-8")
     except OSError as exc:
         raise PlacementFileError(f"{path}: cannot read: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise PlacementFileError(f"{path}: not UTF-8 text (byte {exc.start})") from exc
     try:
         return PlacementFile.model_validate_json(text)
     except ValidationError as exc:
         problems = []
         for error in exc.errors():
             where = ".".join(str(part) for part in error["loc"]) or "(file)"
-            problems.append(f"  {where}: {error['msg'].removeprefix('Value error, ')}")
-        raise PlacementFileError(f"{path}: not a placement:\n" + "\n".join(problems)) from exc
+            problems.append(f"{where}: {error['msg'].removeprefix('Value error, ')}")
+        raise PlacementFileError(f"{path}: not a placement: " + "; ".join(problems)) from exc
 
 
 # -- publishing --------------------------------------------------------------------------------
 
+_MAX_BACKOFF_MS = 2_000  # retries after Redis errors slow down to this, not further
+
 
 class FixedPlacement:
-    """Writes one placement file's cluster and keeps liveness and lag current."""
+    """Writes one placement file's cluster and keeps liveness and lag current.
+
+    Every health round rewrites the whole placement (nodes, stores, hosting; the assignment
+    when Redis holds another or none): a Redis that restarted empty is refilled within a
+    round. All writes are fenced by the writer lease (`kroute.adapters.fencing`)."""
 
     def __init__(self, spec: PlacementFile, redis: aioredis.Redis, keys: Keys) -> None:
         self.spec = spec
         self.redis = redis
         self.keys = keys
         self.clock = SharedClock()
+        self.lease = OwnerLease(redis, keys, kind=LEADER_ID, lease_ms=spec.lease_ms)
         self.failures: dict[str, int] = dict.fromkeys(spec.nodes, 0)
         self.alive: set[str] = set()
-        self.generation = 0
-        self._ends: dict[tuple[str, int], EndHistory] = {}
+        self.started_at_ms: int | None = None  # `started_at_ms` of every node: this adapter's
+        # (node, store, partition): each replica's own history, never another replica's.
+        self._ends: dict[tuple[str, str, int], EndHistory] = {}
         self._http = httpx.AsyncClient(timeout=spec.health.timeout_ms / 1000, trust_env=False)
         self._kafka: AIOKafkaClient | None = None
         self._admin: AIOKafkaAdminClient | None = None
 
+    @property
+    def generation(self) -> int:
+        return self.lease.generation
+
     async def run(self) -> None:
-        await self.clock.sync(self.redis)
-        await self.publish_placement()
         loops = [self._every(self.spec.health.interval_ms, self.probe_and_heartbeat)]
         if isinstance(self.spec.lag, GroupLag):
             loops.append(self._every(self.spec.lag.interval_ms, self.report_lag))
         try:
             await asyncio.gather(*loops)
         finally:
+            with contextlib.suppress(Exception):  # best effort: the lease lapses anyway
+                await asyncio.wait_for(self.lease.release(), 1.0)
             await self.close()
 
     async def close(self) -> None:
@@ -255,71 +323,60 @@ class FixedPlacement:
         if self._kafka is not None:
             await self._kafka.close()
 
-    async def _every(self, interval_ms: int, step: object) -> None:
+    async def _every(self, interval_ms: int, step: Callable[[], Awaitable[None]]) -> None:
+        failed = 0
         while True:
             try:
-                await step()  # type: ignore[operator]
+                await step()
+                if failed:
+                    log.info("redis reachable again", step=step.__name__)
+                failed = 0
             except (aioredis.RedisError, OSError) as exc:
-                log.warning("redis unreachable; heartbeats lapsing", error=str(exc))
+                failed += 1
+                if failed == 1:
+                    log.warning("redis unreachable; heartbeats lapsing", error=str(exc))
             except Exception:  # one bad round must not end the loop
+                failed += 1
                 log.exception("fixed placement step failed; retrying")
-            await asyncio.sleep(interval_ms / 1000)
-
-    async def publish_placement(self) -> None:
-        """Nodes, stores, every node's hosting and the assignment (a new generation only
-        when the stored placement differs from the file's)."""
-        at = self.clock.now_ms()
-        placements = self.spec.placements()
-        stored = await self._stored_assignment()
-        if stored is not None and dict(stored.stores) == placements:
-            self.generation = stored.generation
-        else:
-            self.generation = (stored.generation if stored else 0) + 1
-        assignment = Assignment(self.generation, LEADER_ID, at, placements)
-        async with self.redis.pipeline(transaction=True) as pipe:
-            for info in self.spec.store_infos().values():
-                pipe.sadd(self.keys.stores, info.name)
-                pipe.set(self.keys.store(info.name), encode(info))
-            for node_id, url in self.spec.nodes.items():
-                pipe.sadd(self.keys.nodes, node_id)
-                pipe.set(self.keys.node(node_id), encode(NodeInfo(node_id, url, at)))
-                hosting = Hosting(node_id, self.generation, self.spec.hosting_of(node_id), at)
-                pipe.set(self.keys.hosting(node_id), encode(hosting))
-                if isinstance(self.spec.lag, UnknownLag):
-                    pipe.delete(self.keys.lag(node_id))  # no report: lag unknown
-            pipe.set(self.keys.assignment, encode(assignment))
-            pipe.publish(self.keys.events, encode(Event("assignment", generation=self.generation)))
-            await pipe.execute()
-
-    async def _stored_assignment(self) -> Assignment | None:
-        raw = await self.redis.get(self.keys.assignment)
-        if raw is None:
-            return None
-        try:
-            return decode_assignment(raw)
-        except ContractError:
-            return None  # unreadable: replaced
+            delay_ms = min(interval_ms * 2 ** min(failed, 6), max(_MAX_BACKOFF_MS, interval_ms))
+            await asyncio.sleep((delay_ms if failed else interval_ms) / 1000)
 
     async def probe_and_heartbeat(self) -> None:
+        """One health round: hold the lease, probe every node (each one's heartbeat written
+        as its answer arrives), then rewrite the placement and hosting in one fenced write."""
+        if not self.clock.synced:
+            await self.clock.sync(self.redis)  # nothing is stamped on the local clock
+        if not await self.lease.hold():
+            return
+        if self.started_at_ms is None:
+            self.started_at_ms = self.clock.now_ms()
         nodes = self.spec.nodes
-        results = await asyncio.gather(*(self._probe(url) for url in nodes.values()))
+        results = await asyncio.gather(*(self._probe(n, url) for n, url in nodes.items()))
+        for (node_id, url), up in zip(nodes.items(), results, strict=True):
+            self.failures[node_id] = 0 if up else self.failures[node_id] + 1
+            self._note_change(node_id, url, up)
         at = self.clock.now_ms()
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for (node_id, url), up in zip(nodes.items(), results, strict=True):
-                self.failures[node_id] = 0 if up else self.failures[node_id] + 1
-                if up:
-                    pipe.set(self.keys.alive(node_id), b"1", px=self.spec.health.alive_ttl_ms)
-                elif self.failures[node_id] >= self.spec.health.dead_after:
-                    pipe.delete(self.keys.alive(node_id))
-                self._note_change(node_id, url, up)
-                # hosting is refreshed with the heartbeat: its age says this adapter runs
-                hosting = Hosting(node_id, self.generation, self.spec.hosting_of(node_id), at)
-                pipe.set(self.keys.hosting(node_id), encode(hosting))
-            pipe.publish(self.keys.events, encode(Event("node")))
-            pipe.time()
-            sent = self.clock.stopwatch()
-            replies = await pipe.execute()
-            self.clock.observe(replies[-1], sent, self.clock.stopwatch())
+        if not await self.lease.write(self.spec.placements(), LEADER_ID, at, self._queue_round):
+            log.warning("round not published: the lease or assignment changed meanwhile")
+
+    def _queue_round(self, pipe: Any, generation: int) -> None:
+        keys, at = self.keys, self.clock.now_ms()
+        started = self.started_at_ms if self.started_at_ms is not None else at
+        for info in self.spec.store_infos().values():
+            pipe.sadd(keys.stores, info.name)
+            pipe.set(keys.store(info.name), encode(info))
+        for node_id, url in self.spec.nodes.items():
+            pipe.sadd(keys.nodes, node_id)
+            pipe.set(keys.node(node_id), encode(NodeInfo(node_id, url, started)))
+            if self.failures[node_id] >= self.spec.health.dead_after:
+                pipe.delete(keys.alive(node_id))
+            # hosting is refreshed with the heartbeat: its age says this adapter runs
+            hosting = Hosting(node_id, generation, self.spec.hosting_of(node_id), at)
+            pipe.set(keys.hosting(node_id), encode(hosting))
+            if isinstance(self.spec.lag, UnknownLag):
+                pipe.delete(keys.lag(node_id))  # no report: lag unknown
+        pipe.publish(keys.events, encode(Event("hosting", generation=generation)))
+        pipe.time()  # keeps the clock in step without another round trip
 
     def _note_change(self, node_id: str, url: str, up: bool) -> None:
         dead = self.failures[node_id] >= self.spec.health.dead_after
@@ -330,16 +387,29 @@ class FixedPlacement:
             self.alive.discard(node_id)
             log.warning("node failed its health probes: dead", node=node_id, url=url)
 
-    async def _probe(self, url: str) -> bool:
+    async def _probe(self, node_id: str, url: str) -> bool:
+        """Probe one node within the timeout (status only: the body is never read) and, if
+        it answers, refresh its heartbeat at once, counted from its answer."""
+        health = self.spec.health
         try:
-            response = await self._http.get(url.rstrip("/") + self.spec.health.path)
-        except httpx.HTTPError:
+            answer = await probing.get(
+                self._http,
+                url.rstrip("/") + health.path,
+                deadline_s=health.timeout_ms / 1000,
+                read_body=False,
+            )
+        except probing.ProbeFailed:
             return False
-        return response.status_code < 500
+        if answer.status >= 500:
+            return False
+        await self.redis.set(self.keys.alive(node_id), b"1", px=health.alive_ttl_ms)
+        return True
 
     # -- lag from a consumer group ---------------------------------------------------------
 
     async def report_lag(self) -> None:
+        if not self.clock.synced or not self.lease.held:
+            return  # the health round syncs and takes the lease first
         lag = self.spec.lag
         assert isinstance(lag, GroupLag)
         kafka, admin = await self._clients(lag)
@@ -349,19 +419,38 @@ class FixedPlacement:
         for name, info in stores.items():
             highs = await fetch_high_watermarks(kafka, info.topic, range(info.partitions))
             ends.update({(name, p): high for p, high in highs.items()})
-            for p, high in highs.items():
-                self._ends.setdefault((name, p), EndHistory()).recent.append((high, asked_at))
+        self.remember_ends(ends, asked_at)
         committed = await self._committed(admin, lag, stores)
         at = self.clock.now_ms()
-        async with self.redis.pipeline(transaction=True) as pipe:
+
+        def queue(pipe: Any, _generation: int) -> None:
             for node_id in self.spec.nodes:
                 reports = self._reports(node_id, committed, at)
                 pipe.delete(self.keys.lag(node_id))
                 if reports:
-                    pipe.hset(self.keys.lag(node_id), mapping=reports)  # type: ignore[arg-type]
+                    pipe.hset(self.keys.lag(node_id), mapping=reports)
                     pipe.pexpire(self.keys.lag(node_id), self.spec.health.alive_ttl_ms * 10)
             pipe.publish(self.keys.events, encode(Event("lag")))
-            await pipe.execute()
+
+        await self.lease.write(self.spec.placements(), LEADER_ID, at, queue)
+
+    def reported(self, node_id: str) -> list[tuple[str, int]]:
+        """(store, partition) a node gets lag reports for. With one group for all replicas
+        its commits are the active's: a standby's progress is unknown, never the active's."""
+        lag = self.spec.lag
+        per_replica = isinstance(lag, GroupLag) and lag.per_replica
+        return [
+            (store, p)
+            for store, roles in self.spec.hosting_of(node_id).items()
+            for p in roles["active"] + (roles["standby"] if per_replica else ())
+        ]
+
+    def remember_ends(self, ends: Mapping[tuple[str, int], int], asked_at: int) -> None:
+        for node_id in self.spec.nodes:
+            for store, p in self.reported(node_id):
+                if (store, p) in ends:
+                    history = self._ends.setdefault((node_id, store, p), EndHistory())
+                    history.recent.append((ends[(store, p)], asked_at))
 
     def _reports(
         self,
@@ -370,17 +459,16 @@ class FixedPlacement:
         at: int,
     ) -> dict[str, bytes]:
         reports = {}
-        for store, roles in self.spec.hosting_of(node_id).items():
-            for partition in roles["active"] + roles["standby"]:
-                position = committed.get((node_id, store, partition))
-                if position is None:
-                    continue
-                history = self._ends.setdefault((store, partition), EndHistory())
-                end, caught_up_at = history.report(position, at)
-                if caught_up_at is not None:  # never fresher than true after a clock step
-                    caught_up_at = self.clock.conservative_ms(caught_up_at)
-                report = PartitionReport(position, end, None, caught_up_at, at)
-                reports[lag_field(store, partition)] = encode(report)
+        for store, partition in self.reported(node_id):
+            position = committed.get((node_id, store, partition))
+            if position is None:
+                continue
+            history = self._ends.setdefault((node_id, store, partition), EndHistory())
+            end, caught_up_at = history.report(position, at)
+            if caught_up_at is not None:  # never fresher than true after a clock step
+                caught_up_at = self.clock.conservative_ms(caught_up_at)
+            report = PartitionReport(position, end, None, caught_up_at, at)
+            reports[lag_field(store, partition)] = encode(report)
         return reports
 
     async def _committed(
@@ -417,11 +505,13 @@ class FixedPlacement:
 
 
 def run_fixed(path: Path, redis_url: str, cluster: str) -> None:
-    """The CLI's work: validate the file, then publish until stopped."""
+    """The CLI's work: validate the file and the URL, then publish until stopped."""
     spec = load_placement(path)
+    if (problem := redis_url_error(redis_url)) is not None:
+        raise UsageError(problem)
 
     async def main() -> None:
-        client = aioredis.Redis.from_url(redis_url, socket_timeout=2.0)
+        client = aioredis.Redis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
         try:
             await FixedPlacement(spec, client, Keys(cluster)).run()
         finally:
@@ -445,7 +535,7 @@ def add_command(adapters: argparse._SubParsersAction[argparse.ArgumentParser]) -
         metavar="FILE",
         help="JSON: nodes, stores with placement, health, lag (see --help)",
     )
-    fixed.add_argument("--redis", required=True, metavar="URL", help="redis://host:port/db")
+    fixed.add_argument("--redis", metavar="URL", help="redis://host:port/db (not with --check)")
     fixed.add_argument("--cluster", default=DEFAULT_CLUSTER, help="the contract's cluster name")
     fixed.add_argument(
         "--check", action="store_true", help="only validate the file, publish nothing"
@@ -459,5 +549,7 @@ def command(args: argparse.Namespace) -> int:
         stores = ", ".join(f"{n} ({s.partitions} partitions)" for n, s in spec.stores.items())
         print(f"{args.placement}: {len(spec.nodes)} nodes; stores {stores}")
         return 0
+    if not args.redis:
+        raise UsageError("adapt fixed: --redis URL is required (unless --check)")
     run_fixed(args.placement, args.redis, args.cluster)
     return 0

@@ -153,6 +153,14 @@ def _future_report(client: redis.Redis, k: Keys) -> None:
     client.hset(k.lag("n1"), field, json.dumps(body))
 
 
+def _edit_report(client: redis.Redis, k: Keys, **changes: object) -> None:
+    """Change fields of n1's first lag report (its end offset stays what it read)."""
+    field = sorted(client.hkeys(k.lag("n1")))[0]
+    body = json.loads(client.hget(k.lag("n1"), field) or b"{}")
+    body.update(changes, end_offset=body["end_offset"] if body["end_offset"] is not None else 0)
+    client.hset(k.lag("n1"), field, json.dumps(body))
+
+
 def _unhosted_report(client: redis.Redis, k: Keys) -> None:
     """n1 stops serving its first partition but leaves that partition's report standing."""
     body = _hosting(client, k, "n1")
@@ -198,6 +206,12 @@ BREAKS: dict[str, tuple[Break, str, str, str]] = {
         "warning", "assignment", "its hosting does not serve it so"),
     "lag report for a partition not hosted": (
         _unhosted_report, "error", "lag:n1", "a partition the node's hosting does not list"),
+    "position past the end offset": (
+        lambda c, k: _edit_report(c, k, current_offset=10**9), "error", "lag:n1",
+        "is past end_offset"),
+    "caught up after the report was written": (
+        lambda c, k: _edit_report(c, k, caught_up_at_ms=10**13), "error", "lag:n1",
+        "later than updated_at_ms"),
     "report stamped in the future": (
         _future_report, "error", "lag:n1", "in the future"),
     "lag field name": (
