@@ -166,11 +166,12 @@ def test_malformed_freshness_headers_are_400_naming_the_header(state, header, va
 
 
 def test_a_min_offset_the_store_has_applied_is_answered_at_once(state):
+    state.min_offset_wait_ms = 5_000  # a wait would show: "at once" is well below it
     for bound in ("7", f"{P}:7", f"0:500,{P}:7", "2:900"):  # 2:900 bounds another partition
         started = time.monotonic()
         response = get(state, x_kroute_min_offset=bound)
         assert response.status_code == 200, (bound, response.text)
-        assert time.monotonic() - started < 0.15
+        assert time.monotonic() - started < 2.5
 
 
 def test_a_min_offset_not_applied_in_time_is_421_with_the_position_reached(state):
@@ -184,8 +185,8 @@ def test_a_min_offset_not_applied_in_time_is_421_with_the_position_reached(state
         8,
         7,
     )
-    assert 190 <= body["waited_ms"] <= 1_000
-    assert 0.19 <= waited < 1.0
+    assert 190 <= body["waited_ms"] <= 3_000
+    assert 0.19 <= waited < 3.0
     assert response.headers["x-kroute-refused"] == "position 7 short of min offset 8"
     assert response.headers["x-kroute-position"] == f"{P}:7"
 
@@ -194,7 +195,7 @@ def test_no_wait_at_all_when_the_wait_is_zero(state):
     state.min_offset_wait_ms = 0
     started = time.monotonic()
     assert get(state, x_kroute_min_offset="8").status_code == 421
-    assert time.monotonic() - started < 0.15
+    assert time.monotonic() - started < 0.19  # below the fixture's 200 ms wait
 
 
 def test_a_write_applied_while_waiting_is_served_and_other_lookups_go_on_meanwhile(state):
@@ -302,7 +303,10 @@ def test_one_poll_loop_serves_every_waiting_lookup():
     started = time.monotonic()
     reached = asyncio.run(scenario())
     assert reached[:200] == [10] * 200
-    assert reached[200] == 5  # gave up after 0.2 s, at the position then
-    assert time.monotonic() - started < 1.0
+    # Gave up at its 0.2 s timeout short of 50, at the position then (5, or 10 when a busy
+    # loop woke it only after the store moved at 0.3 s).
+    assert reached[200] in (5, 10)
+    # The 200 were woken by the store moving, not by their own 5 s timeouts.
+    assert time.monotonic() - started < 4.0
     # 201 reads up front and at the ends, plus about one per 10 ms poll over 0.3 s.
     assert reads < 201 * 2 + 60, reads
