@@ -31,7 +31,7 @@ import asyncio
 import contextlib
 import re
 import signal
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,13 +62,13 @@ from common.contract import (
 from kroute.adapters import probing
 from kroute.adapters.fencing import OwnerLease
 from kroute.adapters.probing import redis_url_error
+from kroute.agent import EndHistory
 from kroute.errors import UsageError
 from materializer.kafka_offsets import fetch_high_watermarks
 
 log = structlog.get_logger("kroute.adapters.faust")
 
 LEADER_ID = "faust-adapter"  # the assignment's `leader`: this adapter computed it
-_END_HISTORY = 64  # high watermarks remembered per partition, to date "caught up"
 _NO_COMMIT = -1  # OffsetFetch's answer for a partition the group never committed
 _LEADER_TOPIC = "__assignor-__leader"  # Faust's internal topic: never a table's source
 
@@ -244,7 +244,7 @@ def source_topics(topic_view: RouterMap, table_view: RouterMap, table_topic: str
 @dataclass
 class _PartitionLag:
     owner: str | None = None  # the worker the history below describes
-    ends: deque[tuple[int, int]] = field(default_factory=lambda: deque(maxlen=_END_HISTORY))
+    ends: EndHistory = field(default_factory=EndHistory)
     takeover_at_ms: int | None = None  # a new owner took over: lag unknown until it consumes
     commit_at_takeover: int | None = None  # the group's commit first read after the takeover
     report: PartitionReport | None = None
@@ -270,7 +270,7 @@ class LagBook:
             state = self.partitions.setdefault(p, _PartitionLag())
             if state.owner is not None and owner != state.owner:
                 log.info("new owner: lag unknown until it commits", partition=p, owner=owner)
-                state.ends.clear()
+                state.ends = EndHistory()
                 state.report = None
                 state.takeover_at_ms, state.commit_at_takeover = now_ms, None
             state.owner = owner  # the first owner seen is trusted: nothing says otherwise
@@ -284,12 +284,12 @@ class LagBook:
             current = committed.get(p, 0)
             if not self._owner_consumes(state, current, asked_at_ms):
                 continue
-            state.ends.append((end, asked_at_ms))
+            state.ends.recent.append((end, asked_at_ms))
             # Caught up at T: the group's committed position has reached an end read at T. The
             # committed offset trails Faust's real position by up to one commit interval, so
             # this is never later than the truth.
-            reached = [at for e, at in state.ends if e <= current]
-            caught_up = SHARED.conservative_ms(max(reached)) if reached else None
+            _, reached_at = state.ends.report(current, asked_at_ms)
+            caught_up = None if reached_at is None else SHARED.conservative_ms(reached_at)
             state.report = PartitionReport(current, end, None, caught_up, at_ms)
 
     @staticmethod
