@@ -271,6 +271,8 @@ typedef struct {
     PyObject *request_drop;  /* tuple: never passed on to nodes */
     PyObject *response_drop; /* tuple: never passed on to clients */
     PyObject *python_only;   /* tuple: a request with one goes the Python way */
+    PyObject *request_lines; /* bytes: header lines added to every request to a node (the lag
+                              * budget the node enforces; proxy.freshness.node_budget_lines) */
     char id_prefix[24];
     int id_prefix_length;
     unsigned long long id_counter;
@@ -363,6 +365,8 @@ static int Hub_init(Hub *self, PyObject *args, PyObject *kwds) {
         }
         Py_XSETREF(self->status_line[code], Py_NewRef(line));
     }
+    Py_XSETREF(self->request_lines, PyBytes_FromStringAndSize(NULL, 0));
+    if (self->request_lines == NULL) return -1;
     self->enabled = 1;
     return 0;
 }
@@ -374,6 +378,7 @@ static void Hub_dealloc(Hub *self) {
     Py_XDECREF(self->request_drop);
     Py_XDECREF(self->response_drop);
     Py_XDECREF(self->python_only);
+    Py_XDECREF(self->request_lines);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -528,6 +533,28 @@ static PyMemberDef Hub_members[] = {
     {NULL},
 };
 
+static PyObject *Hub_get_request_lines(Hub *self, void *closure) {
+    (void)closure;
+    if (self->request_lines == NULL) return PyBytes_FromStringAndSize(NULL, 0);
+    return Py_NewRef(self->request_lines);
+}
+
+static int Hub_set_request_lines(Hub *self, PyObject *value, void *closure) {
+    (void)closure;
+    if (value == NULL || !PyBytes_Check(value)) {
+        PyErr_SetString(PyExc_TypeError, "request_lines must be bytes");
+        return -1;
+    }
+    Py_XSETREF(self->request_lines, Py_NewRef(value));
+    return 0;
+}
+
+static PyGetSetDef Hub_getset[] = {
+    {"request_lines", (getter)Hub_get_request_lines, (setter)Hub_set_request_lines,
+     "header lines (bytes, each ending CRLF) added to every request sent to a node", NULL},
+    {NULL},
+};
+
 static PyTypeObject HubType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "proxy._hotpath.Hub",
     .tp_basicsize = sizeof(Hub),
@@ -537,6 +564,7 @@ static PyTypeObject HubType = {
     .tp_dealloc = (destructor)Hub_dealloc,
     .tp_methods = Hub_methods,
     .tp_members = Hub_members,
+    .tp_getset = Hub_getset,
     .tp_doc = "What the C path shares: routes, stores, ids and counters.",
 };
 
@@ -991,6 +1019,7 @@ static int forward_fast(ClientBase *self, const char *data, Py_ssize_t length) {
     head_length += 25;
     if (host != NULL && host->value_length) head_length += 18 + host->value_length + 2;
     head_length += 14 + request_id_length + 2;
+    head_length += (size_t)PyBytes_GET_SIZE(hub->request_lines);
     PyObject *head = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)head_length);
     if (head == NULL) return -1;
     Writer w = {PyBytes_AS_STRING(head)};
@@ -1005,6 +1034,7 @@ static int forward_fast(ClientBase *self, const char *data, Py_ssize_t length) {
         put(&w, h->value, h->value_length);
         put_text(&w, "\r\n");
     }
+    put_bytes(&w, hub->request_lines); /* where proxy.freshness.with_budget puts them */
     put_text(&w, "x-forwarded-for: ");
     if (forwarded_for) {
         put(&w, forwarded_for->value, forwarded_for->value_length);

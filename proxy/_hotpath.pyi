@@ -45,6 +45,7 @@ class Hub:
     enabled: int
     in_flight: int
     clock_offset_ms: int
+    request_lines: bytes  # header lines (each ending CRLF) added to every request to a node
     def __init__(
         self,
         *,

@@ -160,6 +160,9 @@ class ExchangeContext:
     try_timeout_s: float | None = None
     hedging: bool = False
     outliers: Outliers | None = None
+    # The budget a keyed read carries to its node when it asks for none (the handler sets it;
+    # the C path sends the same lines), so a node's refusal of it is read as one.
+    node_budget: LagBudget | None = None
 
 
 class Exchange:
@@ -252,7 +255,7 @@ class Exchange:
             store=connection.fast_store.decode(),
             partition=connection.fast_partition,
             rejected=cached.choice.rejected,
-            budget=None,
+            budget=ctx.node_budget,
             idempotent=True,
         )
         exchange._head = head

@@ -4,7 +4,8 @@ effective ones on to the node, and read a node's refusal of them.
 The node checks the bounds itself (materializer.read_bounds), so a proxy choosing from a
 stale table never serves beyond them: it sends the budget it enforces, which is the configured
 one tightened by the request's headers (a client's looser header must not loosen the node's
-check), and the min offset as the client sent it. A node's 421 with `x-kroute-refused` is a
+check), or the configured one alone when the request asks for none (on the C path too), and the
+min offset as the client sent it. A node's 421 with `x-kroute-refused` is a
 refusal of those bounds, not "not mine": the proxy asks the next replica without re-reading
 its table, and when no replica is left answers 503 naming each refusal, the offset asked and
 the furthest position any replica is known to have reached.
@@ -56,10 +57,30 @@ def min_offset_of(raw: bytes | None, partition: int) -> int | None:
 def with_budget(headers: list[tuple[bytes, bytes]], budget: LagBudget) -> list[tuple[bytes, bytes]]:
     """The request's headers with its budget headers replaced by the budget the proxy applies."""
     kept = [(name, value) for name, value in headers if name not in _BUDGET_NAMES]
-    for name, limit in ((MAX_LAG_HEADER, budget.max_offsets), (MAX_LAG_MS_HEADER, budget.max_ms)):
-        if limit is not None:
-            kept.append((name.encode(), str(limit).encode()))
-    return kept
+    return kept + _budget_headers(budget)
+
+
+def _budget_headers(budget: LagBudget) -> list[tuple[bytes, bytes]]:
+    limits = ((MAX_LAG_HEADER, budget.max_offsets), (MAX_LAG_MS_HEADER, budget.max_ms))
+    return [(name.encode(), str(limit).encode()) for name, limit in limits if limit is not None]
+
+
+def node_budget(configured: LagBudget, unknown_lag: str) -> LagBudget | None:
+    """The budget every keyed read carries to its node when the request asks for none: the
+    configured one, so a proxy choosing from a stale table still never serves beyond it.
+    None when there is no budget, or when the proxy accepts unknown lag: a node refuses a read
+    whose lag it does not know (materializer.read_bounds), which that policy chose to serve."""
+    if configured.unlimited or unknown_lag != "reject":
+        return None
+    return configured
+
+
+def node_budget_lines(budget: LagBudget | None) -> bytes:
+    """The same headers as lines of a request head, for the C path (Hub.request_lines): placed
+    where `with_budget` puts them, after the client's headers."""
+    if budget is None:
+        return b""
+    return b"".join(name + b": " + value + b"\r\n" for name, value in _budget_headers(budget))
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,7 +40,13 @@ from proxy.errors import (
     UnknownStore,
 )
 from proxy.exchange import Client, Exchange, ExchangeContext, Target, provenance_lines
-from proxy.freshness import MIN_OFFSET, min_offset_of, with_budget
+from proxy.freshness import (
+    MIN_OFFSET,
+    min_offset_of,
+    node_budget,
+    node_budget_lines,
+    with_budget,
+)
 from proxy.http import ClientRequest, json_response
 from proxy.metrics import ProxyMetrics
 from proxy.routes import CompiledRoute, KeyedRequest, RouteTable
@@ -87,6 +93,11 @@ class RequestHandler:
         self._choices: dict[str, list[Cached | None]] = {}
         self._route_partitioners: dict[tuple[int, int], KeyPartitioner] = {}
         self._counter = 0
+        # What a keyed read that asks for no budget carries to its node (proxy.freshness); an
+        # exchange adopted from the C path carried the same lines, so its refusals are read.
+        self._node_budget = node_budget(policy.budget, policy.unknown_lag)
+        context.node_budget = self._node_budget
+        hub.request_lines = node_budget_lines(self._node_budget)
         hub.set_routes(routes.hot_path_routes())
 
     # -- table and health changes (from the watcher and the ejections) -------------------------
@@ -191,8 +202,9 @@ class RequestHandler:
             ) from None
         budget = self._request_budget(request)
         min_offset = min_offset_of(request.header(MIN_OFFSET), partition)
-        if budget is not None:  # the node checks the budget the proxy applies, not a looser one
-            request.headers = with_budget(request.headers, budget)
+        sent = budget if budget is not None else self._node_budget
+        if sent is not None:  # the node checks the budget the proxy applies, not a looser one
+            request.headers = with_budget(request.headers, sent)
         choice, candidates = self._choice(store, keyed.store, partition, budget, min_offset)
         if self.policy.spread:
             self._counter += 1
@@ -205,7 +217,7 @@ class RequestHandler:
             store=keyed.store,
             partition=partition,
             rejected=choice.rejected,
-            budget=budget,
+            budget=sent,
             idempotent=True,
             min_offset=min_offset,
         ).start()

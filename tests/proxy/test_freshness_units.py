@@ -6,7 +6,15 @@ import pytest
 
 from proxy.choice import LagBudget, Replica, Role, choose_replicas
 from proxy.errors import BadRequest
-from proxy.freshness import NodeRefusal, min_offset_of, refusal_of, unmet, with_budget
+from proxy.freshness import (
+    NodeRefusal,
+    min_offset_of,
+    node_budget,
+    node_budget_lines,
+    refusal_of,
+    unmet,
+    with_budget,
+)
 
 NOW = 1_000_000
 
@@ -56,6 +64,21 @@ def test_the_node_is_sent_the_budget_the_proxy_applies_not_the_clients():
         (b"x-kroute-max-lag", b"5"),
         (b"x-kroute-max-lag-ms", b"9"),
     ]
+
+
+def test_a_configured_budget_goes_to_the_node_unless_unknown_lag_is_accepted():
+    budget = LagBudget(100, 2_000)
+    assert node_budget(budget, "reject") == budget
+    # A node refuses a read whose lag it does not know; a proxy that accepts unknown lag would
+    # have its choice overruled, so it sends no budget of its own.
+    assert node_budget(budget, "accept") is None
+    assert node_budget(LagBudget(), "reject") is None
+    assert node_budget_lines(None) == b""
+    assert node_budget_lines(budget) == b"x-kroute-max-lag: 100\r\nx-kroute-max-lag-ms: 2000\r\n"
+    assert node_budget_lines(LagBudget(None, 5)) == b"x-kroute-max-lag-ms: 5\r\n"
+    # The C path's lines are the Python path's headers, in the same place and order.
+    expected = [(b"x-kroute-max-lag", b"100"), (b"x-kroute-max-lag-ms", b"2000")]
+    assert with_budget([(b"accept", b"*/*")], budget) == [(b"accept", b"*/*"), *expected]
 
 
 def test_a_refusal_is_read_from_the_nodes_header_lines():

@@ -104,10 +104,15 @@ def test_a_stale_table_never_serves_beyond_the_budget(setup):
     for node in (n0, n1):
         node.set_end(0, 1_000)  # n0 is 499 behind; the table says 0
 
-    # Without a budget the table's choice answers: the stale active (the table is wrong).
-    plain, _ = setup.get(key)
-    assert (plain.status_code, plain.headers["x-kroute-node"]) == (200, "n0")
-    assert plain.json()["value"] == {"who": "n0", "at": 500}
+    # A read that asks for no budget carries the proxy's configured one (100) to the node, on
+    # the C path as on the Python path: the stale active refuses it, the standby answers.
+    before = hot_path_count(setup.proxy)
+    for _ in range(20):
+        plain, _ = setup.get(key)
+        assert (plain.status_code, plain.headers["x-kroute-node"]) == (200, "n1"), plain.text
+        assert plain.json()["value"] == {"who": "n1", "at": 999}
+        assert plain.headers["x-kroute-attempts"] == "2"
+    assert hot_path_count(setup.proxy) > before  # the C path sent some of them (and the budget)
 
     # The header asks 1,000 but the proxy's budget is 100: the node checks 100.
     for header in ("10", "100", "1000"):
