@@ -29,7 +29,7 @@ from typing import Any
 from benchmarks import wrk
 from benchmarks.materializer_bench import KEYS, PARTITIONS, produce
 from benchmarks.results_file import git_revision, machine_notes, write_json, write_section
-from benchmarks.sampling import cpu_and_rss, process_tree, user_and_kernel_s
+from benchmarks.sampling import tree_cpu_and_rss, user_and_kernel_s
 from kroute.embedded import EmbeddedServices
 from kroute.nodes import start_node
 from kroute.proxies import start_proxy
@@ -45,7 +45,8 @@ FORWARDING = (
 
 
 def tree_cpu_s(pid: int) -> float:
-    return sum(cpu_and_rss(p)[0] for p in process_tree(pid))
+    """The node's tree, Spark's exited Python workers included (see benchmarks.sampling)."""
+    return tree_cpu_and_rss(pid)[0]
 
 
 def measure(

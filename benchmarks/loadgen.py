@@ -6,6 +6,13 @@ connection it used, so "no request hung for the whole timeout more than once per
 can be checked. Each connection is its own keep-alive socket with one request in flight,
 paced to its share of the rate; a failed or timed-out connection is replaced. It runs on its
 own event loop in a thread, so the caller can kill nodes meanwhile.
+
+Latency is counted from when a request was due, not from when it went out (wrk2's and
+HdrHistogram's answer to coordinated omission): each connection keeps a constant-rate schedule,
+and when an answer comes late the requests due meanwhile wait for it, then go out back to back,
+each timed from its own due time. A user behind a hung connection waits as long; timing from
+the actual send would record one slow request and hide the queue behind it. `service_ms` is
+the time from the actual send, for questions about one request (did it wait out the timeout?).
 """
 
 from __future__ import annotations
@@ -22,14 +29,15 @@ KEPT_HEADERS = (b"x-kroute-node", b"x-kroute-role", b"x-kroute-partition", b"x-k
 
 @dataclass(slots=True)
 class Outcome:
-    sent_at: float  # wall clock, seconds (time.time(): comparable with other processes)
-    latency_ms: float
+    sent_at: float  # when it was due: wall clock, seconds (comparable with other processes)
+    latency_ms: float  # from when it was due until its answer (waiting behind others included)
     status: int  # 0: no answer (connection refused, reset or timed out)
     connection: int
     path: str
     label: str
     headers: dict[str, str] = field(default_factory=dict)
     body: bytes = b""
+    service_ms: float = 0.0  # from the actual send until its answer
 
 
 @dataclass(frozen=True)
@@ -87,20 +95,24 @@ class SteadyLoad:
 
     async def _main(self) -> None:
         start = time.monotonic()
+        wall_minus_monotonic = time.time() - start
         workers = [
-            self._connection(i, start + i * self._interval / self._connections)
+            self._connection(
+                i, start + i * self._interval / self._connections, wall_minus_monotonic
+            )
             for i in range(self._connections)
         ]
         await asyncio.gather(*workers)
 
-    async def _connection(self, number: int, first_at: float) -> None:
+    async def _connection(self, number: int, first_at: float, wall_offset: float) -> None:
         streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
-        next_at = first_at
+        due = first_at
         while not self._stopping.is_set():
-            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
-            next_at = max(next_at + self._interval, time.monotonic())  # no catch-up bursts
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            if self._stopping.is_set():
+                break
             request = self._next_request()
-            sent_at, began = time.time(), time.perf_counter()
+            began = time.monotonic()
             try:
                 if streams is None:
                     streams = await asyncio.wait_for(
@@ -117,18 +129,23 @@ class SteadyLoad:
                 if streams is not None:
                     streams[1].close()
                 streams = None
+            answered = time.monotonic()
             outcome = Outcome(
-                sent_at,
-                (time.perf_counter() - began) * 1000,
+                due + wall_offset,
+                (answered - due) * 1000,
                 status,
                 number,
                 request.path,
                 request.label,
                 headers,
                 body if self._keep_body else b"",
+                service_ms=(answered - began) * 1000,
             )
             with self._lock:
                 self.outcomes.append(outcome)
+            # The schedule never slips: requests due while this one was late are sent next,
+            # back to back, and their wait counts in their latency.
+            due += self._interval
         if streams is not None:
             streams[1].close()
 

@@ -28,9 +28,6 @@ from partitioner.hashes import murmur2_positive, murmur2_positive_reference
 
 KEY_SIZES = (16, 64, 256)
 NUM_PARTITIONS = 12
-# The minimal uvloop+httptools forwarder measured ~14 us of CPU per request here (measured before the proxy was built);
-# used to express the partition step as a share of a request until the proxy is measured.
-FORWARDER_US_PER_REQUEST = 14.0
 
 
 def time_per_item(
@@ -105,15 +102,9 @@ def render(by_size: dict[str, dict[str, float]], command: str) -> str:
         lines.append(
             f"| {size} | " + " | ".join(f"{row[n]:.0f}" for n in names) + f" | {ratio:.2f} |"
         )
-    step_16 = by_size["16"]["key_partitioner_uncached"]
-    share = step_16 / (FORWARDER_US_PER_REQUEST * 1000) * 100
     lines += [
         "",
-        f"Share of a request: the whole uncached step for a 16-byte key ({step_16:.0f} ns) is "
-        f"{share:.1f}% of the ~{FORWARDER_US_PER_REQUEST:.0f} µs of CPU per request that the "
-        "minimal uvloop + httptools forwarder measured here before the proxy was built; issue #5 re-measures it "
-        "on kroute's own proxy. Without the C extension, murmur2 alone costs what the "
-        "murmur2_python column says.",
+        "Without the C extension, murmur2 alone costs what the murmur2_python column says.",
     ]
     return "\n".join(lines)
 

@@ -37,8 +37,9 @@ def machine_notes() -> str:
     return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, {platform.system()}"
 
 
-def git_revision() -> str:
-    """The commit measured, with "+changes" when tracked files differ from it."""
+def git_state() -> tuple[str, bool | None]:
+    """(the commit checked out, short; whether tracked files differ from it); ("unknown", None)
+    outside a git checkout."""
     try:
         head, changes = (
             subprocess.run(
@@ -50,14 +51,33 @@ def git_revision() -> str:
             )
         )
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return f"{head}+changes" if changes else head
+        return "unknown", None
+    return head, bool(changes)
+
+
+def git_revision() -> str:
+    """The commit measured, with "+changes" when tracked files differ from it (for prose)."""
+    head, dirty = git_state()
+    return f"{head}+changes" if dirty else head
+
+
+def _stamped(data: dict[str, Any]) -> dict[str, Any]:
+    """`data` with the revision it measured: `revision` (a commit) and `dirty` (whether the
+    tree had changes). A script that read git_revision() when it began keeps that (the tree may
+    change during a long run); else the tree is read now."""
+    given = data.get("revision")
+    if isinstance(given, str) and given != "unknown":
+        head, _, suffix = given.partition("+")
+        return {**data, "revision": head, "dirty": suffix == "changes"}
+    head, dirty = git_state()
+    return {**data, "revision": head, "dirty": dirty}
 
 
 def write_json(name: str, data: dict[str, Any]) -> Path:
+    """results/<name>.json, stamped with the revision measured (see _stamped)."""
     RESULTS_JSON_DIR.mkdir(exist_ok=True)
     path = RESULTS_JSON_DIR / f"{name}.json"
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    path.write_text(json.dumps(_stamped(data), indent=2, sort_keys=True) + "\n")
     return path
 
 

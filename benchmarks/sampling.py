@@ -5,11 +5,17 @@ Spark JVM and the JVM's Python workers). Every `interval_s` the sampler adds up 
 time and resident memory over each component's process tree. `phase()` marks a named span;
 `summary()` gives, per phase and component, the CPU used (seconds, and cores on average) and
 the largest resident set seen.
+
+A process that exits takes its CPU time out of the tree; the kernel adds it to its parent's
+`cutime`/`cstime` once the parent reaps it, so each process counts its own time and that of
+its reaped descendants, and short-lived children (Spark's Python workers, `readlink`) are
+counted. A component's total never goes down: when its root is restarted (`watch()` with a new
+PID) or dies, the new tree's time is added to what the old one had used (a root killed loses
+only what it used since the last sample: no process is left to reap it).
 """
 
 from __future__ import annotations
 
-import itertools
 import os
 import statistics
 import threading
@@ -48,6 +54,16 @@ def user_and_kernel_s(pid: int) -> tuple[float, float]:
         return 0.0, 0.0
 
 
+def reaped_children_s(pid: int) -> float:
+    """CPU seconds (user+system) of the process's children that exited and were reaped, theirs
+    and their own reaped descendants' (cutime + cstime); 0 for a process that is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(stat[13]) + int(stat[14])) / TICKS
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def cpu_and_rss(pid: int) -> tuple[float, int]:
     """(user+system CPU seconds, resident bytes); (0, 0) for a process that is gone."""
     try:
@@ -57,18 +73,40 @@ def cpu_and_rss(pid: int) -> tuple[float, int]:
     return sum(user_and_kernel_s(pid)), resident_pages * PAGE
 
 
+def tree_cpu_and_rss(root: int) -> tuple[float, int]:
+    """CPU seconds used by a process tree, its exited and reaped descendants included, and the
+    resident bytes of its live processes."""
+    cpu, rss = 0.0, 0
+    for pid in process_tree(root):
+        used, resident = cpu_and_rss(pid)
+        cpu, rss = cpu + used + reaped_children_s(pid), rss + resident
+    return cpu, rss
+
+
 @dataclass(frozen=True)
 class Sample:
     at: float  # monotonic seconds
     component: str
-    cpu_s: float  # cumulative over the tree's live processes
+    cpu_s: float  # cumulative: every process the component ran, exited ones and restarts included
     rss_bytes: int
+
+
+@dataclass
+class _Tally:
+    """A component's CPU so far: the roots it had before (`earlier_s`) plus the current one's."""
+
+    root: int
+    earlier_s: float = 0.0
+    current_s: float = 0.0
+
+    def total(self) -> float:
+        return self.earlier_s + self.current_s
 
 
 class ProcessSampler:
     def __init__(self, interval_s: float = 0.5) -> None:
         self._interval_s = interval_s
-        self._components: dict[str, int] = {}
+        self._components: dict[str, _Tally] = {}
         self._lock = threading.Lock()
         self.samples: list[Sample] = []
         self.phases: list[tuple[str, float, float]] = []
@@ -76,8 +114,14 @@ class ProcessSampler:
         self._thread = threading.Thread(target=self._run, name="sampler", daemon=True)
 
     def watch(self, component: str, pid: int) -> None:
+        """Sample the tree under `pid` as `component`; a new PID for a component is a restart
+        (its CPU adds to the old process's)."""
         with self._lock:
-            self._components[component] = pid
+            tally = self._components.get(component)
+            if tally is None:
+                self._components[component] = _Tally(pid)
+            elif tally.root != pid:
+                self._components[component] = _Tally(pid, earlier_s=tally.total())
 
     def start(self) -> ProcessSampler:
         self._thread.start()
@@ -100,16 +144,18 @@ class ProcessSampler:
     def sample_now(self) -> None:
         at = time.monotonic()
         with self._lock:
-            components = dict(self._components)
-        taken = []
-        for component, root in components.items():
-            cpu, rss = 0.0, 0
-            for pid in process_tree(root):
-                used, resident = cpu_and_rss(pid)
-                cpu, rss = cpu + used, rss + resident
-            taken.append(Sample(at, component, cpu, rss))
+            components = {name: tally.root for name, tally in self._components.items()}
+        measured = {root: tree_cpu_and_rss(root) for root in components.values()}
         with self._lock:
-            self.samples.extend(taken)
+            for component, root in components.items():
+                tally = self._components[component]
+                cpu, rss = measured[root]
+                if tally.root == root:
+                    # Never down: a root that is gone (killed, not yet restarted) keeps what it
+                    # used, and so does a child read just after it exited but before its parent
+                    # reaped it (its time is in neither; the next sample finds it in cutime).
+                    tally.current_s = max(tally.current_s, cpu)
+                self.samples.append(Sample(at, component, tally.total(), rss))
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval_s):
@@ -123,8 +169,7 @@ class ProcessSampler:
             per: dict[str, dict[str, Any]] = {}
             for component in sorted({s.component for s in within}):
                 mine = [s for s in within if s.component == component]
-                # A restarted component's CPU starts again from 0: add up the increases only.
-                used = sum(max(b.cpu_s - a.cpu_s, 0.0) for a, b in itertools.pairwise(mine))
+                used = max(s.cpu_s for s in mine) - min(s.cpu_s for s in mine)  # never goes down
                 per[component] = {
                     "cpu_s": round(used, 2),
                     "cores": round(used / max(ended - began, 1e-9), 2),

@@ -88,6 +88,8 @@ STORE = "customers"
 TOPIC = "customers"
 GRACE_S = 45  # Kafka's default consumer session.timeout.ms: when Kafka Streams would move them
 UPSTREAM_TIMEOUT_MS = 2000  # the proxy's default
+# The claims, in the order they run (`--only` picks some): the failures claim is two runs.
+PARTS = ("hop", "freshness", "kill-9", "sigstop", "staleness", "restart")
 BUDGETS_MS = (250, 500, 1000, 2000, 4000, 8000, 16000)
 PLOTS = BENCHMARKS / "results"
 
@@ -440,6 +442,14 @@ def summarize_hops(
         rows = {}
         for system, runs in per_system.items():
             phases = [cpu[f"hop/{layout}/{distribution}/{system}/{i}"] for i in range(len(runs))]
+            # Totals per round first, then their median: a sum of per-node medians would add up
+            # figures of different rounds.
+            nodes_cpu = [
+                sum(v["cpu_s"] for c, v in p.items() if c.startswith("node-")) for p in phases
+            ]
+            nodes_cores = [
+                sum(v["cores"] for c, v in p.items() if c.startswith("node-")) for p in phases
+            ]
             rows[system] = {
                 "rps": round(statistics.median(r["rps"] for r in runs)),
                 "p50_ms": statistics.median(r["p50_ms"] for r in runs),
@@ -452,6 +462,15 @@ def summarize_hops(
                     component: round(statistics.median(p[component]["cores"] for p in phases), 2)
                     for component in phases[0]
                 },
+                "nodes_cpu_cores": round(statistics.median(nodes_cores), 2),
+                # The three nodes' process trees (Spark included) per request answered.
+                "nodes_cpu_us_per_request": round(
+                    statistics.median(
+                        used / max(r["requests"], 1) * 1e6
+                        for used, r in zip(nodes_cpu, runs, strict=True)
+                    ),
+                    1,
+                ),
             }
         kroute, nginx, direct = rows["kroute"], rows["nginx"], rows["direct"]
         rows["ratios"] = {
@@ -523,7 +542,8 @@ def window_figures(outcomes: list[Outcome], fault_at: float, until: float) -> di
     failed = [o for o in inside if o.status != 200]
     latencies = [o.latency_ms for o in inside if o.sent_at <= fault_at + FAILOVER_WINDOW_S]
     before = [o.latency_ms for o in outcomes if fault_at - 5 <= o.sent_at < fault_at]
-    hung = Counter(o.connection for o in inside if o.latency_ms >= UPSTREAM_TIMEOUT_MS * 0.9)
+    # Waited out the timeout itself (from its own send), not queued behind one that did.
+    hung = Counter(o.connection for o in inside if o.service_ms >= UPSTREAM_TIMEOUT_MS * 0.9)
     last_failure = max((o.sent_at + o.latency_ms / 1000 for o in failed), default=None)
     return {
         "requests": len(inside),
@@ -821,6 +841,7 @@ def per_minute(outcomes: list[Outcome], began: float, minutes: int) -> list[dict
 
 
 def plot(figures: dict[str, Any]) -> list[str]:
+    """The plots of the claims that were run, named after the results file."""
     import matplotlib  # noqa: PLC0415 - optional until plots are drawn
 
     matplotlib.use("Agg")
@@ -828,8 +849,20 @@ def plot(figures: dict[str, Any]) -> list[str]:
 
     PLOTS.mkdir(exist_ok=True)
     names = []
+    prefix = figures["name"]
+    if "1_no_extra_hop" in figures:
+        names.append(plot_hop(plt, figures["1_no_extra_hop"], f"{prefix}_hop.png"))
+    if "kill-9" in figures.get("2_reads_survive_failures", {}):
+        survive_figures = figures["2_reads_survive_failures"]
+        names.append(plot_failover(plt, survive_figures, f"{prefix}_failover.png"))
+    if "3_staleness" in figures:
+        stale = figures["3_staleness"]["per_budget_ms"]
+        names.append(plot_staleness(plt, stale, f"{prefix}_staleness.png"))
+    plt.close("all")
+    return names
 
-    hop = figures["1_no_extra_hop"]
+
+def plot_hop(plt: Any, hop: dict[str, Any], name: str) -> str:
     layouts = [layout for layout in HOP_LAYOUTS if layout in hop]
     fig, grid = plt.subplots(len(layouts), 2, figsize=(10, 4 * len(layouts)), squeeze=False)
     systems = ("direct", "nginx", "kroute")
@@ -843,10 +876,11 @@ def plot(figures: dict[str, Any]) -> list[str]:
             ax.legend()
     fig.suptitle("1. No extra hop: three nodes, direct vs nginx round robin vs kroute")
     fig.tight_layout()
-    fig.savefig(PLOTS / "system_hop.png", dpi=90)
-    names.append("system_hop.png")
+    fig.savefig(PLOTS / name, dpi=90)
+    return name
 
-    survive_figures = figures["2_reads_survive_failures"]
+
+def plot_failover(plt: Any, survive_figures: dict[str, Any], name: str) -> str:
     fig, axes = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
     for system, style in (("kroute", "-"), ("actives-only", "--")):
         line = survive_figures["kill-9"][system]["timeline"]
@@ -861,10 +895,11 @@ def plot(figures: dict[str, Any]) -> list[str]:
     axes[0].legend()
     fig.suptitle("2. kill -9 of the node active for a third of the partitions")
     fig.tight_layout()
-    fig.savefig(PLOTS / "system_failover.png", dpi=90)
-    names.append("system_failover.png")
+    fig.savefig(PLOTS / name, dpi=90)
+    return name
 
-    stale = figures["3_staleness"]["per_budget_ms"]
+
+def plot_staleness(plt: Any, stale: dict[str, Any], name: str) -> str:
     fig, ax = plt.subplots(figsize=(7, 4))
     budgets = [int(b) for b in stale]
     ax.plot(budgets, [stale[str(b)]["availability"] * 100 for b in budgets], "o-")
@@ -873,15 +908,12 @@ def plot(figures: dict[str, Any]) -> list[str]:
     ax.set_ylabel("answered (%); the rest: 503")
     ax.set_title("3. Availability vs budget while the only live replica falls behind")
     fig.tight_layout()
-    fig.savefig(PLOTS / "system_staleness.png", dpi=90)
-    names.append("system_staleness.png")
-    plt.close("all")
-    return names
+    fig.savefig(PLOTS / name, dpi=90)
+    return name
 
 
 def render(f: dict[str, Any], command: str, plots: list[str]) -> str:
-    hop, survive_f = f["1_no_extra_hop"], f["2_reads_survive_failures"]
-    stale, restart_f, fresh = f["3_staleness"], f["4_restart_without_restore"], f["5_freshness"]
+    """The RESULTS.md section: the claims that were run (all, or those `--only` asked for)."""
     lines = [
         "## System benchmarks: the seeds' claims on one real cluster",
         "",
@@ -891,36 +923,63 @@ def render(f: dict[str, Any], command: str, plots: list[str]) -> str:
         "and one with `KROUTE_STANDBY_READS=false` (actives only, the behaviour before KIP-535).",
         "Everything shares this machine's cores, wrk and the load generator included (claim 1 is",
         "also run with the cluster and the front on cores of their own). Figures as JSON:",
-        "[results/system.json](results/system.json).",
+        f"[results/{f['name']}.json](results/{f['name']}.json).",
         "",
+    ]
+    if "1_no_extra_hop" in f:
+        lines += render_hop_claim(f, plots)
+    if "2_reads_survive_failures" in f:
+        lines += render_survive(f["2_reads_survive_failures"], plots)
+    if "3_staleness" in f:
+        lines += render_staleness(f["3_staleness"], plots)
+    if "4_restart_without_restore" in f:
+        lines += render_restart(f["4_restart_without_restore"])
+    if "5_freshness" in f:
+        lines += render_freshness(f["5_freshness"])
+    lines += render_resources(f["resources"])
+    if "soak" in f:
+        lines += render_soak(f["soak"])
+    return "\n".join(lines)
+
+
+def render_hop_claim(f: dict[str, Any], plots: list[str]) -> list[str]:
+    return [
         "### 1. No extra hop",
         "",
         f"wrk, {f['settings']['connections']} connections, {f['settings']['seconds']} s per "
         f"system, medians of {f['settings']['rounds']} interleaved rounds. `direct`: three wrk "
         "processes, each sending its node the keys it is active for (the floor). `nginx`: round "
         "robin over the nodes, which forward keys they do not own to the owner (one hop, counted "
-        "by the nodes). `kroute`: the proxy.",
-        *render_hop(hop),
-    ]
-    lines += [
-        "![no extra hop](results/system_hop.png)",
+        "by the nodes, sent with a pooled aiohttp client). `kroute`: the proxy. Nodes' CPU: their "
+        "three process trees (Spark included) per round, the median of the rounds' totals; per "
+        "request answered in the last column.",
+        *render_hop(f["1_no_extra_hop"]),
+        *(f"![no extra hop](results/{plot})" for plot in plots if plot.endswith("_hop.png")),
         "",
+    ]
+
+
+def render_survive(survive_f: dict[str, Any], plots: list[str]) -> list[str]:
+    first = next(iter(survive_f.values()))
+    lines = [
         "### 2. Reads survive failures",
         "",
         "Steady load on both proxies at once (uniform keys, "
-        f"{survive_f['kill-9']['rate_per_proxy']:g} requests/s each over "
-        f"{survive_f['kill-9']['connections_per_proxy']} keep-alive connections, writes at 20/s). "
+        f"{first['rate_per_proxy']:g} requests/s each over "
+        f"{first['connections_per_proxy']} keep-alive connections, writes at 20/s). "
         "Window: from the fault until the end of the run (the actives-only proxy's recovery "
         f"needs the {GRACE_S} s grace period to pass and the partitions to move).",
         "",
         f"Failures are counted from the fault to the end; latency in the first "
-        f"{FAILOVER_WINDOW_S:g} s after the fault (p99 in the 5 s before it for comparison).",
+        f"{FAILOVER_WINDOW_S:g} s after the fault (p99 in the 5 s before it for comparison). "
+        "Latency is timed from when each request was due on its connection's constant-rate "
+        "schedule, so requests queued behind a hung one count their wait (no coordinated "
+        "omission); 'hung for the timeout' counts requests that waited it out from their own send.",
         "",
         "| fault | proxy | requests | failed | p99 ms before | p50 ms | p99 ms | max ms | all reads succeed again after | hung for the timeout (max per connection) |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for fault in ("kill-9", "sigstop-10s"):
-        entry = survive_f[fault]
+    for fault, entry in survive_f.items():
         for system in ("kroute", "actives-only"):
             w = entry[system]
             lines.append(
@@ -932,8 +991,14 @@ def render(f: dict[str, Any], command: str, plots: list[str]) -> str:
             )
     lines += [
         "",
-        "![failover](results/system_failover.png)",
+        *(f"![failover](results/{plot})" for plot in plots if plot.endswith("_failover.png")),
         "",
+    ]
+    return lines
+
+
+def render_staleness(stale: dict[str, Any], plots: list[str]) -> list[str]:
+    lines = [
         "### 3. Staleness is bounded and visible",
         "",
         f"Node {stale['killed_node']} killed; node {stale['throttled_node']}'s Spark JVM stopped "
@@ -954,8 +1019,14 @@ def render(f: dict[str, Any], command: str, plots: list[str]) -> str:
         )
     lines += [
         "",
-        "![staleness](results/system_staleness.png)",
+        *(f"![staleness](results/{plot})" for plot in plots if plot.endswith("_staleness.png")),
         "",
+    ]
+    return lines
+
+
+def render_restart(restart_f: dict[str, Any]) -> list[str]:
+    lines = [
         "### 4. Restart without restore",
         "",
         "| restart | written to its partitions while down (N) | records re-read | beyond N | "
@@ -968,10 +1039,11 @@ def render(f: dict[str, Any], command: str, plots: list[str]) -> str:
             f"{row['reread_beyond_missed']:,} | {row['partition_records_total']:,} | "
             f"{row['ready_s']} s | {row['caught_up_s']} s |"
         )
-    lines += [
-        "",
-        "Times are from starting the process (Spark's start-up included).",
-        "",
+    return [*lines, "", "Times are from starting the process (Spark's start-up included).", ""]
+
+
+def render_freshness(fresh: dict[str, Any]) -> list[str]:
+    return [
         "### 5. Freshness",
         "",
         f"A new key every {1000 // fresh['produce_rate_per_s']} ms; time from `produce()` until "
@@ -979,21 +1051,24 @@ def render(f: dict[str, Any], command: str, plots: list[str]) -> str:
         f"**{fresh['p99_ms']} ms**, max {fresh['max_ms']} ms over {fresh['samples']} keys "
         f"({fresh['never_visible']} never visible).",
         "",
+    ]
+
+
+def render_resources(resources: dict[str, Any]) -> list[str]:
+    lines = [
         "### CPU and memory per phase",
         "",
         "| phase | " + " | ".join(RESOURCE_COMPONENTS) + " |",
         "|---|" + "---:|" * len(RESOURCE_COMPONENTS),
     ]
-    for phase, per in f["resources"].items():
+    for phase, per in resources.items():
         cells = [
             f"{per[c]['cores']:.2f} / {per[c]['rss_max_mb']:.0f}" if c in per else "-"
             for c in RESOURCE_COMPONENTS
         ]
         lines.append(f"| {phase} | " + " | ".join(cells) + " |")
     lines.append("\nEach cell: CPU cores used on average / largest resident MB (process trees).")
-    if "soak" in f:
-        lines += render_soak(f["soak"])
-    return "\n".join(lines)
+    return lines
 
 
 HOP_LAYOUTS = {
@@ -1014,8 +1089,8 @@ def render_hop(hop: dict[str, Any]) -> list[str]:
             "",
             f"**{title.format(cluster=cpus.get('cluster'), front=cpus.get('front'))}.**",
             "",
-            "| keys | system | requests/s | p50 ms | p99 ms | needed a hop | non-2xx | CPU cores: nodes / front |",
-            "|---|---|---:|---:|---:|---:|---:|---|",
+            "| keys | system | requests/s | p50 ms | p99 ms | needed a hop | non-2xx | CPU cores: nodes / front | nodes' CPU µs per request |",
+            "|---|---|---:|---:|---:|---:|---:|---|---:|",
         ]  # fmt: skip
         for distribution in ("zipf", "uniform"):
             for system in ("direct", "nginx", "kroute"):
@@ -1037,14 +1112,12 @@ def render_hop(hop: dict[str, Any]) -> list[str]:
 
 
 def hop_row(distribution: str, system: str, row: dict[str, Any]) -> str:
-    cores = row["cpu_cores"]
-    node_cores = sum(v for k, v in cores.items() if k.startswith("node-"))
-    front = cores.get("proxy" if system == "kroute" else "nginx", 0.0)
+    front = row["cpu_cores"].get("proxy" if system == "kroute" else "nginx", 0.0)
     front_text = "-" if system == "direct" else f"{front:.2f}"
     return (
         f"| {distribution} | {system} | {row['rps']:,} | {row['p50_ms']:.2f} | "
-        f"{row['p99_ms']:.1f} | "
-        f"{row['hop_share']:.0%} | {row['non_2xx']} | {node_cores:.2f} / {front_text} |"
+        f"{row['p99_ms']:.1f} | {row['hop_share']:.0%} | {row['non_2xx']} | "
+        f"{row['nodes_cpu_cores']:.2f} / {front_text} | {row['nodes_cpu_us_per_request']} |"
     )
 
 
@@ -1073,7 +1146,7 @@ def render_soak(soak_f: dict[str, Any]) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=int, default=8, help="per wrk measurement")
     parser.add_argument("--rounds", type=int, default=2)
@@ -1081,7 +1154,49 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=300, help="steady requests/s per proxy")
     parser.add_argument("--soak-minutes", type=float, default=0)
     parser.add_argument("--max-minutes", type=float, default=45, help="stop everything after")
+    parser.add_argument(
+        "--only",
+        type=lambda text: [part for part in text.split(",") if part],
+        default=list(PARTS),
+        help=f"the claims to run, comma-separated, of {','.join(PARTS)} (default: all); a "
+        "partial run writes results/system_<parts>.json and its own RESULTS.md section",
+    )
+    parser.add_argument("--no-write", action="store_true", help="print only (smoke runs)")
     args = parser.parse_args(argv)
+    unknown = set(args.only) - set(PARTS)
+    if unknown:
+        parser.error(f"--only: unknown claims {sorted(unknown)}; known: {', '.join(PARTS)}")
+    args.parts = [part for part in PARTS if part in args.only]
+    args.name = "system" if args.parts == list(PARTS) else "system_" + "_".join(args.parts)
+    return args
+
+
+def run_claims(bench: Bench, args: argparse.Namespace, figures: dict[str, Any]) -> None:
+    parts = args.parts
+    if "hop" in parts:
+        say("1. no extra hop ...")
+        figures["1_no_extra_hop"] = no_extra_hop(bench, args.seconds, args.rounds, args.connections)
+    if "freshness" in parts:
+        say("5. freshness ...")
+        figures["5_freshness"] = freshness(bench, samples=400)
+    for part, fault in (("kill-9", "kill-9"), ("sigstop", "sigstop-10s")):
+        if part in parts:
+            say(f"2. reads survive failures: {fault} ...")
+            survived = figures.setdefault("2_reads_survive_failures", {})
+            survived[fault] = survive(bench, fault, args.rate, 12)
+    if "staleness" in parts:
+        say("3. staleness ...")
+        figures["3_staleness"] = staleness(bench, seconds=25, rate=200)
+    if "restart" in parts:
+        say("4. restart without restore ...")
+        figures["4_restart_without_restore"] = restart(bench, records=20_000)
+    if args.soak_minutes:
+        say(f"long run: {args.soak_minutes:g} minutes ...")
+        figures["soak"] = soak(bench, args.soak_minutes, args.rate)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     for tool in ("wrk", "nginx"):
         if shutil.which(tool) is None:
             print(f"{tool} is needed: apt-get install wrk nginx-light", file=sys.stderr)
@@ -1095,6 +1210,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.alarm(int((args.max_minutes + args.soak_minutes) * 60))
     workdir = Path(tempfile.mkdtemp(prefix="kroute-system-bench-"))
     figures: dict[str, Any] = {
+        "name": args.name,
+        "parts": args.parts,
         "machine": machine_notes(),
         "revision": git_revision(),
         "date": time.strftime("%Y-%m-%d"),
@@ -1112,24 +1229,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with EmbeddedServices(workdir) as services:
             bench = start_bench(services, workdir)
-            say("1. no extra hop ...")
-            figures["1_no_extra_hop"] = no_extra_hop(
-                bench, args.seconds, args.rounds, args.connections
-            )
-            say("5. freshness ...")
-            figures["5_freshness"] = freshness(bench, samples=400)
-            say("2. reads survive failures ...")
-            figures["2_reads_survive_failures"] = {
-                "kill-9": survive(bench, "kill-9", args.rate, 12),
-                "sigstop-10s": survive(bench, "sigstop-10s", args.rate, 12),
-            }
-            say("3. staleness ...")
-            figures["3_staleness"] = staleness(bench, seconds=25, rate=200)
-            say("4. restart without restore ...")
-            figures["4_restart_without_restore"] = restart(bench, records=20_000)
-            if args.soak_minutes:
-                say(f"long run: {args.soak_minutes:g} minutes ...")
-                figures["soak"] = soak(bench, args.soak_minutes, args.rate)
+            run_claims(bench, args, figures)
             bench.sampler.stop()
             figures["resources"] = {
                 phase: per
@@ -1139,9 +1239,12 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         signal.alarm(0)
         shutil.rmtree(workdir, ignore_errors=True)
+    if args.no_write:
+        print(render(figures, figures["command"], []))
+        return 0
     plots = plot(figures)
-    write_json("system", figures)
-    write_section("system", render(figures, figures["command"], plots))
+    write_json(args.name, figures)
+    write_section(args.name, render(figures, figures["command"], plots))
     say(json.dumps({k: v for k, v in figures.items() if k != "resources"}, indent=1)[:4000])
     return 0
 

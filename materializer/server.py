@@ -25,8 +25,6 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
 
-import httpx
-
 from common.clock import now_ms
 from common.freshness import (
     POSITION_HEADER,
@@ -35,7 +33,7 @@ from common.freshness import (
     position_token,
     reached,
 )
-from materializer.forwarding import FORWARDED_BY, Forwarder
+from materializer.forwarding import FORWARDED_BY, Forwarder, OwnerUnreachable
 from materializer.lag import LagTracker
 from materializer.metrics import NodeMetrics
 from materializer.pipeline import Stall
@@ -249,7 +247,7 @@ class NodeApp:
         try:
             bounds = freshness_headers(headers)  # the owner checks them: see Forwarder.forward
             result = await state.forwarder.forward(owner, path.decode("ascii"), bounds)
-        except httpx.HTTPError as exc:
+        except OwnerUnreachable as exc:
             reason = str(exc) or type(exc).__name__
             payload = {"error": "owner_unreachable", "partition": partition, "owner": owner}
             await _respond(send, 503, {**payload, "detail": reason})
