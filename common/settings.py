@@ -10,10 +10,11 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
+import textwrap
 import typing
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Self
+from typing import Annotated, Any, ClassVar, Self
 from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, SecretStr, ValidationError
@@ -29,31 +30,92 @@ class SettingsError(ValueError):
 
 
 class EnvSettings(BaseModel):
-    """Base: fields map to KROUTE_<FIELD NAME IN CAPITALS>; unknown KROUTE_* names are ignored."""
+    """Base: fields map to KROUTE_<FIELD NAME IN CAPITALS> (or their `env_names` entry);
+    unknown KROUTE_* names are ignored here and reported by common.known_settings."""
 
     model_config = ConfigDict(frozen=True, extra="ignore")
+
+    # Field name -> its variable, where that is not KROUTE_<FIELD NAME> (a name that says more
+    # than the attribute the code reads).
+    env_names: ClassVar[Mapping[str, str]] = {}
+    # Old variable -> field name: still read, with a warning, while the new variable is unset.
+    deprecated_env: ClassVar[Mapping[str, str]] = {}
+
+    @classmethod
+    def variable(cls, name: str) -> str:
+        """The environment variable of a field."""
+        return cls.env_names.get(name, ENV_PREFIX + name.upper())
+
+    @classmethod
+    def variables(cls) -> dict[str, str]:
+        """Every variable this component reads -> its field (deprecated names included)."""
+        current = {cls.variable(name): name for name in cls.model_fields}
+        return {**current, **cls.deprecated_env}
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Self:
         source = os.environ if environ is None else environ
+        origin = {name: cls.variable(name) for name in cls.model_fields}
+        for old, name in cls.deprecated_env.items():
+            if old in source and origin[name] not in source:
+                origin[name] = old
         values: dict[str, Any] = {
-            name: source[ENV_PREFIX + name.upper()]
-            for name in cls.model_fields
-            if ENV_PREFIX + name.upper() in source
+            name: source[variable] for name, variable in origin.items() if variable in source
         }
+        for name, variable in origin.items():
+            if name in values and variable in cls.deprecated_env:
+                values[name] = cls.check_deprecated(variable, values[name])
         try:
             return cls.model_validate(values)
         except ValidationError as exc:
-            problems = [_describe(error, values, cls.model_fields) for error in exc.errors()]
+            problems = [_describe(error, values, cls, origin) for error in exc.errors()]
             raise SettingsError("invalid configuration: " + "; ".join(problems)) from None
+
+    @classmethod
+    def check_deprecated(cls, variable: str, value: str) -> str:
+        """The value of a deprecated variable, if it can mean only what its new name means
+        (SettingsError otherwise). Subclasses refuse values that are ambiguous."""
+        return value
+
+    @classmethod
+    def deprecated_in(cls, environ: Mapping[str, str]) -> list[tuple[str, str]]:
+        """(old variable, new variable) for each deprecated name set in the environment."""
+        return [
+            (old, cls.variable(name)) for old, name in cls.deprecated_env.items() if old in environ
+        ]
 
     @classmethod
     def documentation(cls) -> list[tuple[str, str, str]]:
         """(variable, default, meaning) for every setting: the README's configuration table."""
         return [
-            (ENV_PREFIX + name.upper(), _default_text(field), field.description or "")
+            (cls.variable(name), _default_text(field), field.description or "")
             for name, field in cls.model_fields.items()
         ]
+
+
+def help_text(cls: type[EnvSettings], usage: str, summary: str) -> str:
+    """A --help answer: the usage, then every variable with its default and meaning."""
+    lines = [
+        f"usage: {usage}",
+        "",
+        *textwrap.wrap(summary, 96),
+        "",
+        "Settings (environment variables):",
+    ]
+    for variable, default, meaning in cls.documentation():
+        lines.append(f"  {variable} (default: {default})")
+        lines += textwrap.wrap(
+            meaning,
+            width=96,
+            initial_indent="      ",
+            subsequent_indent="      ",
+            break_on_hyphens=False,  # keep Maven coordinates and flags whole
+            break_long_words=False,
+        )
+    old = [f"{old} (now {cls.variable(name)})" for old, name in cls.deprecated_env.items()]
+    if old:
+        lines += ["", "Still read, with a warning: " + ", ".join(old) + "."]
+    return "\n".join(lines) + "\n"
 
 
 def _default_text(field: FieldInfo) -> str:
@@ -64,12 +126,14 @@ def _default_text(field: FieldInfo) -> str:
     return "(none)" if field.default is None else str(field.default)
 
 
-def _describe(error: Any, values: dict[str, Any], fields: Mapping[str, FieldInfo]) -> str:
+def _describe(
+    error: Any, values: dict[str, Any], cls: type[EnvSettings], origin: Mapping[str, str]
+) -> str:
     field = str(error["loc"][0]) if error["loc"] else ""
-    variable = ENV_PREFIX + field.upper()
+    variable = origin.get(field, cls.variable(field))  # the variable the value came from
     if error["type"] == "missing":
         return f"{variable} is required"
-    shown = "'***'" if _is_secret(fields.get(field)) else repr(values.get(field))
+    shown = "'***'" if _is_secret(cls.model_fields.get(field)) else repr(values.get(field))
     return f"{variable}={shown}: {error['msg']}"
 
 

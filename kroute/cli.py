@@ -1,6 +1,8 @@
 """The `kroute` command: run the product locally, check Java, compute a key's partition.
 
 kroute run [--failover]             start the whole product with demo data; Ctrl-C stops it
+kroute node                         run one materializer node (--help: its KROUTE_* settings)
+kroute proxy                        run the proxy (--help: its KROUTE_* settings)
 kroute partition KEY -n 12          the partition a producer wrote KEY to
 kroute check-java                   is there a Java 17+ for Spark?
 kroute adapt faust --worker URL ...  put kroute in front of a Faust app (docs/faust.md)
@@ -17,8 +19,11 @@ import sys
 import time
 from collections.abc import Sequence
 from types import FrameType
+from typing import Any
 
 from common.java import JavaNotFound, JavaRuntime, find_java
+from common.known_settings import unknown_variables
+from common.settings import EnvSettings, help_text
 from kroute import contract_check
 from kroute.adapters import faust as faust_adapter
 from kroute.adapters import fixed as fixed_adapter
@@ -26,7 +31,9 @@ from kroute.embedded import EmbeddedServices
 from kroute.errors import KrouteError, UsageError
 from kroute.product import SAMPLE_CUSTOMERS, Product, failover_demo, start_product
 from kroute.settings import RunSettings, SettingsError
+from materializer.settings import NodeSettings
 from partitioner import ALGORITHMS, KEY_FORMATS, PartitionerError, partition, serialize_key
+from proxy.settings import ProxySettings
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -61,6 +68,7 @@ def _raise_stop(signum: int, _frame: FrameType | None) -> None:
 
 def command_run(args: argparse.Namespace) -> int:
     settings = RunSettings.from_env()
+    _warn_about_variables()
     say("kroute: checking Java for Spark ...")
     java = find_java(os.environ)
     say(f"  Java {java.major} ({java.source}: {java.java})")
@@ -80,6 +88,15 @@ def command_run(args: argparse.Namespace) -> int:
             say("\nkroute: stopping everything it started ...")
     say("kroute: stopped.")
     return EXIT_OK
+
+
+def _warn_about_variables() -> None:
+    """KROUTE_* names nothing reads (typos) and old names, said before anything starts."""
+    for entry in unknown_variables(os.environ):
+        meant = f" (did you mean {entry.closest}?)" if entry.closest else ""
+        say(f"kroute: warning: no kroute component reads {entry.variable}{meant}")
+    for old, new in RunSettings.deprecated_in(os.environ):
+        say(f"kroute: warning: {old} is deprecated here; use {new}")
 
 
 def _print_product(product: Product, java: JavaRuntime, settings: RunSettings) -> None:
@@ -114,6 +131,41 @@ def _watch_until_stopped(product: Product) -> None:
         time.sleep(1.0)
 
 
+def command_component(args: argparse.Namespace) -> int:
+    """Become the component's own entry point (same process, same exit code)."""
+    os.execv(sys.executable, [sys.executable, "-m", args.module])  # noqa: S606 - fixed argv
+
+
+# Components `kroute` starts: (module, settings class, summary for --help).
+COMPONENTS: dict[str, tuple[str, type[EnvSettings], str]] = {
+    "node": (
+        "materializer",
+        NodeSettings,
+        "Run one materializer node: Spark reads the node's partitions of a Kafka topic into a "
+        "RocksDB store, and an HTTP server answers lookups from it.",
+    ),
+    "proxy": (
+        "proxy",
+        ProxySettings,
+        "Run the partition-aware proxy: each keyed request goes to the node that holds its "
+        "partition (or a standby inside the lag budget).",
+    ),
+}
+
+
+def _add_component_commands(commands: Any) -> None:
+    for name, (module, settings, summary) in COMPONENTS.items():
+        usage = f"kroute {name}  (configured by KROUTE_* environment variables)"
+        command = commands.add_parser(
+            name,
+            help=summary.split(":")[0].lower(),
+            usage=usage,
+            description=help_text(settings, usage, summary).split("\n", 2)[2],
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        command.set_defaults(handler=command_component, module=module)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kroute", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -125,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="once up, kill -9 one node and show lookups answered by standbys",
     )
     run.set_defaults(handler=command_run)
+    _add_component_commands(commands)
     commands.add_parser("check-java", help="find a Java 17+ runtime for Spark").set_defaults(
         handler=command_check_java
     )

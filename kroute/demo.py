@@ -22,9 +22,12 @@ from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from types import FrameType
 
+import structlog
 from confluent_kafka import KafkaException, Producer
 from pydantic import Field
 
+from common.known_settings import report_unknown_variables
+from common.logging import configure_logging
 from common.settings import EnvSettings, HostPortList, Name, SettingsError
 
 STATIONS = (
@@ -139,8 +142,11 @@ def main() -> int:
     try:
         settings = DemoSettings.from_env()
     except SettingsError as exc:
-        print(f"kroute demo producer: {exc}", file=sys.stderr)
+        print(f"kroute demo producer: {exc}", file=sys.stderr)  # before logging is set up
         return 2
+    configure_logging(component="demo")
+    report_unknown_variables(DemoSettings)
+    log = structlog.get_logger("kroute.demo")
     stop = threading.Event()
 
     def request_stop(_signum: int, _frame: FrameType | None) -> None:
@@ -150,16 +156,18 @@ def main() -> int:
     signal.signal(signal.SIGINT, request_stop)
     try:
         producer = BookingProducer(settings)
-        print(
-            f"kroute demo producer: {settings.demo_seed_bookings} bookings, then "
-            f"{settings.demo_rate:g}/s to {settings.topic} at {settings.bootstrap_servers}",
-            flush=True,
+        log.info(
+            "producing",
+            seed_bookings=settings.demo_seed_bookings,
+            per_second=settings.demo_rate,
+            topic=settings.topic,
+            bootstrap_servers=settings.bootstrap_servers,
         )
         producer.run(stop)
     except KafkaException as exc:
-        print(f"kroute demo producer: Kafka refused: {exc}", file=sys.stderr)
+        log.error("kafka_refused", error=str(exc))
         return 1
-    print(f"kroute demo producer: stopped after {producer.sent} bookings", flush=True)
+    log.info("stopped", bookings=producer.sent)
     return 0
 
 

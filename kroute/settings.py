@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import ClassVar
 
 from pydantic import Field
 
@@ -12,6 +13,11 @@ __all__ = ["RunSettings", "SettingsError"]
 
 
 class RunSettings(EnvSettings):
+    # KROUTE_PARTITIONS also named a node's hosted partitions; for the run command it was
+    # always this count, so the old name still works (with a warning).
+    env_names: ClassVar[dict[str, str]] = {"partitions": "KROUTE_DEMO_PARTITIONS"}
+    deprecated_env: ClassVar[dict[str, str]] = {"KROUTE_PARTITIONS": "partitions"}
+
     workdir: Path = Field(
         default=Path(".run"), description="Where the run command keeps logs and service data."
     )
@@ -33,7 +39,10 @@ class RunSettings(EnvSettings):
         description="The proxy's admin port: health, metrics, the cluster status page.",
     )
     partitions: int = Field(
-        default=12, ge=1, le=1000, description="Partitions of the demo's bookings topic."
+        default=12,
+        ge=1,
+        le=1000,
+        description="Partitions of the demo's bookings topic (formerly KROUTE_PARTITIONS).",
     )
     demo_rate: float = Field(
         default=20.0, ge=0, le=10_000, description="Demo bookings written a second (0: none)."

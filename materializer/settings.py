@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import socket
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, Json, ValidationInfo, field_validator
 
@@ -17,6 +17,7 @@ from common.settings import (
     ImportPath,
     Name,
     RedisUrl,
+    SettingsError,
     SparkMaster,
     known_partitioning_choice,
 )
@@ -26,6 +27,11 @@ _PARTITION_LIST = re.compile(r"^(all|\d+(-\d+)?(,\d+(-\d+)?)*)$")
 
 
 class NodeSettings(EnvSettings):
+    # KROUTE_PARTITIONS also named the demo topic's partition count (`kroute run`) and the
+    # topic's (compose): each now has a name of its own.
+    env_names: ClassVar[dict[str, str]] = {"partitions": "KROUTE_HOSTED_PARTITIONS"}
+    deprecated_env: ClassVar[dict[str, str]] = {"KROUTE_PARTITIONS": "partitions"}
+
     node_id: Name = Field(
         default_factory=socket.gethostname,
         description="This node's id in the cluster (default: the host name).",
@@ -45,7 +51,9 @@ class NodeSettings(EnvSettings):
         default=None, description="Store name in lookup URLs (default: the topic name)."
     )
     partitions: str = Field(
-        default="all", description="Partitions this node hosts: all, or a list such as 0-5,7."
+        default="all",
+        description="Partitions this node hosts: all, or a list such as 0-5,7 "
+        "(formerly KROUTE_PARTITIONS).",
     )
     key_format: str = Field(
         default="string", description=f"How lookup keys are serialized: {', '.join(KEY_FORMATS)}."
@@ -168,7 +176,7 @@ class NodeSettings(EnvSettings):
     redis_url: RedisUrl | None = Field(
         default=None,
         description="Redis for the cluster, e.g. redis://:password@host:6379/0 (unset: standalone "
-        "node serving KROUTE_PARTITIONS). Printed as ***.",
+        "node serving KROUTE_HOSTED_PARTITIONS). Printed as ***.",
     )
     cluster: Name = Field(
         default="default",
@@ -205,6 +213,18 @@ class NodeSettings(EnvSettings):
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         default="info", description="Log level of the node's JSON logs."
     )
+
+    @classmethod
+    def check_deprecated(cls, variable: str, value: str) -> str:
+        # A bare number under the old name may be a partition count (its meaning elsewhere)
+        # as well as the one partition to host: refuse to guess.
+        if value.strip().isdigit():
+            raise SettingsError(
+                f"invalid configuration: {variable}={value!r} is ambiguous (a partition count, "
+                f"or the one partition to host?): set KROUTE_HOSTED_PARTITIONS={value} to host "
+                "that partition"
+            )
+        return value
 
     @field_validator("partitions")
     @classmethod
@@ -245,7 +265,7 @@ class NodeSettings(EnvSettings):
         beyond = sorted(p for p in chosen if p >= num_partitions)
         if beyond:
             raise ValueError(
-                f"KROUTE_PARTITIONS={self.partitions!r} names partitions {beyond} but the topic "
-                f"has {num_partitions} (0-{num_partitions - 1})"
+                f"KROUTE_HOSTED_PARTITIONS={self.partitions!r} names partitions {beyond} but "
+                f"the topic has {num_partitions} (0-{num_partitions - 1})"
             )
         return tuple(sorted(chosen))

@@ -16,7 +16,9 @@ import pytest
 
 from kroute.cli import main
 from kroute.embedded import free_port
+from materializer.settings import NodeSettings
 from partitioner import partition
+from proxy.settings import ProxySettings
 
 
 def test_partition_prints_the_producers_partition(capsys):
@@ -45,6 +47,42 @@ def test_bad_setting_stops_run_before_starting_anything(monkeypatch, capsys):
     monkeypatch.setenv("KROUTE_STARTUP_TIMEOUT_S", "soon")
     assert main(["run"]) == 2
     assert "KROUTE_STARTUP_TIMEOUT_S='soon'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("command", "settings"),
+    [
+        (["kroute", "node", "--help"], NodeSettings),
+        (["kroute", "proxy", "--help"], ProxySettings),
+        ([sys.executable, "-m", "materializer", "--help"], NodeSettings),
+    ],
+    ids=["kroute node", "kroute proxy", "python -m materializer"],
+)
+def test_help_lists_every_setting_with_its_default_and_meaning(command, settings):
+    if command[0] == "kroute":
+        command = [sys.executable, "-m", "kroute", *command[1:]]
+    done = subprocess.run(command, capture_output=True, text=True, check=False, timeout=60)
+    assert done.returncode == 0, done.stderr
+    text = " ".join(done.stdout.split())  # descriptions are wrapped
+    for variable, default, meaning in settings.documentation():
+        assert f"{variable} (default: {default})" in text
+        assert " ".join(meaning.split()) in text, variable
+
+
+def test_run_warns_about_a_typo_and_an_old_name_before_starting_anything(
+    monkeypatch, capsys, tmp_path
+):
+    with socket.socket() as taken:  # the proxy's port is taken: run stops before any service
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        monkeypatch.setenv("KROUTE_PROXY_PORT", str(taken.getsockname()[1]))
+        monkeypatch.setenv("KROUTE_WORKDIR", str(tmp_path))
+        monkeypatch.setenv("KROUTE_DEMO_RAT", "50")
+        monkeypatch.setenv("KROUTE_PARTITIONS", "6")
+        assert main(["run"]) == 1
+    out = capsys.readouterr().out
+    assert "no kroute component reads KROUTE_DEMO_RAT (did you mean KROUTE_DEMO_RATE?)" in out
+    assert "KROUTE_PARTITIONS is deprecated here; use KROUTE_DEMO_PARTITIONS" in out
 
 
 def _descendants(pid: int) -> set[int]:

@@ -59,7 +59,7 @@ def test_documentation_lists_every_variable():
         "KROUTE_STARTUP_TIMEOUT_S",
         "KROUTE_PROXY_PORT",
         "KROUTE_ADMIN_PORT",
-        "KROUTE_PARTITIONS",
+        "KROUTE_DEMO_PARTITIONS",
         "KROUTE_DEMO_RATE",
     ]
     assert all(meaning for _, _, meaning in rows)

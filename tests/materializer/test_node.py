@@ -149,7 +149,7 @@ def test_partitions_beyond_the_topic_stop_the_node_with_a_clear_error(embedded, 
         "two",
         tmp_path / "data",
         wait_ready=False,
-        partitions="0-3",
+        hosted_partitions="0-3",
     )
     try:
         assert node.process.popen.wait(timeout=60) == 2

@@ -112,6 +112,45 @@ def test_metrics_say_each_partitions_lag_and_the_pipelines_counts(state: NodeSta
     assert_follows_conventions(text)
 
 
+# Every family's Prometheus type: cumulative counts are counters (rate() and increase() work on
+# them, and a restart's reset to 0 is understood), levels that go up and down are gauges. A new
+# metric must be added here, so its type is a decision.
+TYPES = {
+    "kroute_node_info": "gauge",  # an info metric: a gauge of 1 in the text format
+    "kroute_node_batch_duration_seconds": "histogram",
+    "kroute_node_records_read": "counter",
+    "kroute_node_changes_written": "counter",
+    "kroute_node_skipped_records": "counter",
+    "kroute_node_pipeline_restarts": "counter",
+    "kroute_node_forwarded_lookups": "counter",
+    "kroute_node_pipeline_running": "gauge",
+    LAG: "gauge",
+    TIME_LAG: "gauge",
+    STALLED: "gauge",
+    OUTSIDE: "gauge",
+}
+
+
+def test_cumulative_counts_are_counters_and_levels_gauges(state: NodeState):
+    state.lag.apply_ends({0: 8, 1: 8, 2: 8}, now_ms())
+    before = families(scrape(state).text)
+    assert {name: family.type for name, family in before.items()} == TYPES
+    with state.stats.lock:  # more of everything: every counter's samples grow, none falls
+        state.stats.records, state.stats.changes_written = 50, 40
+        state.stats.problems_by_partition[2] = 1
+        state.stats.observe_batch(0.2)
+    state.forwarded += 3
+    state.pipeline_status = lambda: {"running": False, "restarts": 3}
+    after = families(scrape(state).text)
+    for name, family in after.items():
+        if family.type != "counter":
+            continue
+        old = {(s.name, tuple(sorted(s.labels.items()))): s.value for s in before[name].samples}
+        new = {(s.name, tuple(sorted(s.labels.items()))): s.value for s in family.samples}
+        assert all(new[k] >= old[k] for k in old), name
+        assert any(new[k] > old[k] for k in old), f"{name} did not count what happened"
+
+
 def test_unknown_lag_is_nan_and_stalled_and_outside_log_partitions_are_flagged(
     state: NodeState,
 ):

@@ -29,12 +29,12 @@ def test_store_name_defaults_to_the_topic():
     [("all", 4, (0, 1, 2, 3)), ("0-2,5", 6, (0, 1, 2, 5)), ("3", 6, (3,)), ("1,1,0", 2, (0, 1))],
 )
 def test_partition_lists(text, count, hosted):
-    settings = NodeSettings.from_env({**REQUIRED, "KROUTE_PARTITIONS": text})
+    settings = NodeSettings.from_env({**REQUIRED, "KROUTE_HOSTED_PARTITIONS": text})
     assert settings.hosted_partitions(count) == hosted
 
 
 def test_partitions_beyond_the_topic_are_refused_with_the_count():
-    settings = NodeSettings.from_env({**REQUIRED, "KROUTE_PARTITIONS": "0-7"})
+    settings = NodeSettings.from_env({**REQUIRED, "KROUTE_HOSTED_PARTITIONS": "0-7"})
     with pytest.raises(ValueError, match=r"names partitions \[6, 7\] but the topic has 6"):
         settings.hosted_partitions(6)
 
@@ -42,7 +42,7 @@ def test_partitions_beyond_the_topic_are_refused_with_the_count():
 @pytest.mark.parametrize(
     ("variable", "value"),
     [
-        ("KROUTE_PARTITIONS", "first"),
+        ("KROUTE_HOSTED_PARTITIONS", "first"),
         ("KROUTE_KEY_FORMAT", "long"),
         ("KROUTE_PARTITIONER", "default"),
         ("KROUTE_VALUE_FORMAT", "avro"),
