@@ -2,9 +2,9 @@
  * The proxy's common case in C: one whole keyed GET or HEAD in one read, a cached replica
  * choice, an idle pooled connection, and one whole simple response in one read.
  *
- * Why: the same forwarding in Python costs ~30 us of CPU a request here, against HAProxy's
- * ~14 (benchmarks/RESULTS.md), and most of it is Python calls per parser callback, per
- * header and per step. Here the connection protocols' data_received are C methods, so uvloop
+ * Why: the same forwarding in Python costs several times the CPU per request of this path
+ * (docs/architecture.md, D3, with the measurements), and most of it is Python calls per
+ * parser callback, per header and per step. Here the connection protocols' data_received are C methods, so uvloop
  * calls straight into C, and nothing in the common case calls back into Python except the
  * key's partitioner (KeyPartitioner.partition_of, itself C for murmur2).
  *

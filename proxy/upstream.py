@@ -2,7 +2,7 @@
 
 Measured here: forwarding through httpx.AsyncClient tops out under 1,000 req/s on one core,
 while asyncio Protocols with httptools parsing and a hand-written pool reach ~60,000 (see
-docs/ and benchmarks/RESULTS.md). So this module speaks HTTP/1.1 to nodes itself, callback
+docs/architecture.md, D2). So this module speaks HTTP/1.1 to nodes itself, callback
 style (no task or future per request): `UpstreamPool.send(origin, request, sink)` drives one
 `ResponseSink` (the exchange) through its answer.
 
