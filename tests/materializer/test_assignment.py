@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -14,6 +15,9 @@ from materializer.assignment import Member, compute_assignment
 NOW = 10_000_000
 GRACE = 600_000
 NODE_IDS = [f"n{i}" for i in range(6)]
+# How far behind a standby may be and still take over an active when balancing: the default
+# of compute_assignment, and what the cluster runs with (acceptable_recovery_lag, 10,000).
+CAUGHT_UP_LAGS = [0, 1, 10_000]
 
 
 @dataclass(frozen=True)
@@ -23,6 +27,7 @@ class Cluster:
     previous: Assignment
     lag: dict[tuple[str, int, str], int | None]
     standbys: int
+    caught_up_lag: int
 
 
 @st.composite
@@ -53,14 +58,22 @@ def clusters(draw):
         else:
             since = NOW - (GRACE // 2 if state == "dead-in-grace" else GRACE * 2)
             members[n] = Member(n, alive=False, dead_since_ms=since)
-    # Lag is reported only by nodes that host a replica (as in the real cluster).
+    caught_up_lag = draw(st.sampled_from(CAUGHT_UP_LAGS))
+    # Lag is reported only by nodes that host a replica (as in the real cluster), on both
+    # sides of the caught-up limit and at it.
+    lags = st.one_of(
+        st.none(),
+        st.integers(0, 50),
+        st.integers(0, 3 * caught_up_lag),
+        st.sampled_from([caught_up_lag, caught_up_lag + 1]),
+    )
     lag = {
-        (store, p, node): draw(st.one_of(st.none(), st.integers(0, 50)))
+        (store, p, node): draw(lags)
         for store, parts in previous.stores.items()
         for p, placed in parts.items()
         for node in placed.replicas()
     }
-    return Cluster(stores, members, previous, lag, standbys)
+    return Cluster(stores, members, previous, lag, standbys, caught_up_lag)
 
 
 def assign(cluster: Cluster, previous: Assignment | None = None) -> Assignment:
@@ -73,6 +86,7 @@ def assign(cluster: Cluster, previous: Assignment | None = None) -> Assignment:
         grace_ms=GRACE,
         now_ms=NOW,
         leader="n0",
+        caught_up_lag=cluster.caught_up_lag,
     )
 
 
@@ -149,8 +163,108 @@ def test_the_most_caught_up_standby_is_promoted(cluster):
 
             best = min(live_standbys, key=lag_or_worst)
 
-            caught_up = cluster.lag.get((store, partition, new_active)) == 0
+            reported = cluster.lag.get((store, partition, new_active))
+            caught_up = reported is not None and reported <= cluster.caught_up_lag
             assert new_active == best or caught_up  # or moved later to a caught-up replica
+
+
+def lag_within(cluster: Cluster, store: str, partition: int, node: str) -> bool:
+    reported = cluster.lag.get((store, partition, node))
+    return reported is not None and reported <= cluster.caught_up_lag
+
+
+@st.composite
+def skewed_clusters(draw):
+    """Everyone alive, actives piled on few nodes (as after nodes joined one by one): only
+    balancing moves anything, and only onto standbys within `caught_up_lag`."""
+    nodes = NODE_IDS[: draw(st.integers(2, 6))]
+    partitions = draw(st.integers(1, 12))
+    standbys = draw(st.integers(1, 2))
+    heavy = nodes[: draw(st.integers(1, len(nodes) - 1))]
+    placed = {}
+    for p in range(partitions):
+        active = draw(st.sampled_from(heavy))
+        others = [n for n in nodes if n != active]
+        chosen = draw(st.permutations(others))[: min(standbys, len(others))]
+        placed[p] = PartitionAssignment(active, tuple(chosen))
+    previous = Assignment(1, nodes[0], NOW - 1_000, {"s": placed})
+    caught_up_lag = draw(st.sampled_from(CAUGHT_UP_LAGS))
+    lags = st.one_of(
+        st.none(),
+        st.integers(0, 3 * caught_up_lag),
+        st.sampled_from([0, caught_up_lag, caught_up_lag + 1]),
+    )
+    lag = {("s", p, n): draw(lags) for p, pa in placed.items() for n in pa.replicas()}
+    members = {n: Member(n, alive=True) for n in nodes}
+    return Cluster({"s": partitions}, members, previous, lag, standbys, caught_up_lag)
+
+
+def active_counts(cluster: Cluster, assignment: Assignment) -> Counter[str]:
+    alive = [n for n, m in cluster.members.items() if m.alive]
+    counts = Counter(dict.fromkeys(alive, 0))
+    counts.update(
+        placed.active for _, _, placed in placements(assignment) if placed.active in alive
+    )
+    return counts
+
+
+def check_balancing(cluster: Cluster, result: Assignment) -> None:
+    """Safety: an active that was not lost moves only onto a replica within `caught_up_lag`.
+    Liveness: no such replica is left whose taking over would narrow an active-count gap of
+    two or more (the balancing did everything it was allowed to)."""
+    keeps = holders(cluster.members)
+    for store, partition, placed in placements(result):
+        before = cluster.previous.stores[store][partition].active
+        if before in keeps and placed.active != before:
+            assert lag_within(cluster, store, partition, placed.active), (
+                f"{store}/{partition} moved from {before} to {placed.active}, which is behind"
+            )
+    counts = active_counts(cluster, result)
+    for store, partition, placed in placements(result):
+        if placed.active not in counts:
+            continue
+        for standby in placed.standbys:
+            if standby in counts and lag_within(cluster, store, partition, standby):
+                assert counts[placed.active] - counts[standby] <= 1, (
+                    f"{store}/{partition}: {placed.active} has {counts[placed.active]} actives, "
+                    f"its caught-up standby {standby} {counts[standby]}"
+                )
+
+
+@settings(max_examples=400)
+@given(clusters())
+def test_balancing_moves_actives_only_onto_caught_up_replicas_and_as_far_as_they_allow(cluster):
+    check_balancing(cluster, assign(cluster))
+
+
+@settings(max_examples=400)
+@given(skewed_clusters())
+def test_piled_up_actives_spread_onto_every_caught_up_standby(cluster):
+    check_balancing(cluster, assign(cluster))
+
+
+@pytest.mark.parametrize(("standby_lag", "moves"), [(0, True), (5_000, True), (10_001, False)])
+def test_with_the_clusters_caught_up_lag_a_standby_5000_behind_takes_over(standby_lag, moves):
+    """The cluster balances with acceptable_recovery_lag = 10,000 (KIP-441's default): a
+    standby 5,000 records behind is warm enough to take over half the actives."""
+    members = {n: Member(n, alive=True) for n in ("a", "b")}
+    previous = Assignment(
+        3, "a", NOW, {"s": {p: PartitionAssignment("a", ("b",)) for p in range(4)}}
+    )
+    lag = {("s", p, n): 0 if n == "a" else standby_lag for p in range(4) for n in ("a", "b")}
+    result = compute_assignment(
+        {"s": 4},
+        members,
+        previous,
+        lag,
+        standbys=1,
+        grace_ms=GRACE,
+        now_ms=NOW,
+        leader="a",
+        caught_up_lag=10_000,
+    )
+    actives = Counter(placed.active for placed in result.stores["s"].values())
+    assert sorted(actives.values()) == ([2, 2] if moves else [4])
 
 
 @settings(max_examples=300)

@@ -2,6 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import uuid
+from typing import Any
+
+import pytest
+from aiokafka.client import AIOKafkaClient
+from confluent_kafka import Producer
+
+from kroute.topics import create_topics
+from materializer import lag as lag_module
 from materializer.kafka_offsets import LogBounds
 from materializer.lag import LagTracker
 from materializer.store import Row, Store
@@ -158,5 +168,112 @@ def test_a_partition_dropped_and_added_again_does_not_keep_its_old_caught_up_tim
         assert tracker.snapshot[0].time_lag_ms(1_100) is None
         tracker.apply_ends({0: 10}, 1_200)  # the end read at 1_000 is history: not reached
         assert tracker.snapshot[0].caught_up_at_ms is None
+    finally:
+        store.close()
+
+
+def test_caught_up_at_is_the_latest_moment_known_and_never_moves_back(tmp_path):
+    """`caught_up_at` is the latest T at which everything the partition held is applied. A
+    refresh whose end offset was read at an earlier moment (the clock stepped back to Redis
+    time) proves T for that moment too, but the later T it already knew still holds."""
+    store = Store(tmp_path / "store")
+    store.add_partition(0)
+    tracker = LagTracker(store, "bookings", lambda: (0,))
+    try:
+        store.apply(0, [Row(b"k", b"v", 9, 900)], 10, 900)
+        tracker.apply_ends({0: 10}, 2_000)
+        assert tracker.snapshot[0].caught_up_at_ms == 2_000
+        tracker.apply_ends({0: 10}, 1_500)
+        assert tracker.snapshot[0].caught_up_at_ms == 2_000
+        tracker.apply_ends({0: 10}, 2_500)
+        assert tracker.snapshot[0].caught_up_at_ms == 2_500
+    finally:
+        store.close()
+
+
+def test_a_refresh_stamps_the_ends_with_the_moment_it_asked(tmp_path, monkeypatch):
+    """The fast-tier twin of the broker test below: an answer that takes 50 ms to arrive is
+    stamped with the moment the refresh asked, before the answer came."""
+    store = Store(tmp_path / "store")
+    store.add_partition(0)
+    store.apply(0, [Row(b"k", b"v", 9, 900)], 10, 900)
+    tracker = LagTracker(store, "bookings", lambda: (0,))
+    arrived: list[int] = []
+
+    async def slow_answer(*_args: Any, **_kwargs: Any) -> dict[int, LogBounds]:
+        await asyncio.sleep(0.05)
+        arrived.append(lag_module.now_ms())
+        return {0: LogBounds(0, 10)}
+
+    monkeypatch.setattr(lag_module, "fetch_log_bounds", slow_answer)
+    try:
+        asked = lag_module.now_ms()
+        asyncio.run(tracker.refresh(client=None))  # type: ignore[arg-type]
+        lag = tracker.snapshot[0]
+        assert lag.lag == 0
+        assert lag.end_offset_at_ms is not None
+        assert asked <= lag.end_offset_at_ms < arrived[0]
+        assert lag.caught_up_at_ms == lag.end_offset_at_ms
+    finally:
+        store.close()
+
+
+def produce(producer: Producer, topic: str, count: int) -> list[int]:
+    """Write `count` records to partition 0; their timestamps as the delivery reports give them."""
+    stamps: list[int] = []
+
+    def delivered(error: Any, message: Any) -> None:
+        assert error is None, error
+        stamps.append(message.timestamp()[1])
+
+    for i in range(count):
+        producer.produce(topic, key=b"k%d" % i, value=b"v", partition=0, on_delivery=delivered)
+    assert producer.flush(30) == 0
+    assert len(stamps) == count
+    return stamps
+
+
+@pytest.mark.integration
+def test_end_offsets_are_stamped_when_asked_not_when_the_answer_arrives(
+    tmp_path, broker, monkeypatch
+):
+    """Records written while the broker's answer is on its way are not in the end offset it
+    carries. The store has reached that end, so the partition is caught up as of the ask, not
+    the arrival: a later stamp would cover records the store does not hold, and a time-lag
+    bound that counts them as applied."""
+    topic = f"lag-stamp-{uuid.uuid4().hex[:8]}"
+    create_topics(broker.bootstrap_servers, {topic: 1})
+    producer = Producer({"bootstrap.servers": broker.bootstrap_servers, "linger.ms": 0})
+    produce(producer, topic, 10)
+    store = Store(tmp_path / "store")
+    store.add_partition(0)
+    store.apply(0, [Row(b"k9", b"v", 9, None)], 10, None)  # the store holds offsets 0..9
+    tracker = LagTracker(store, topic, lambda: (0,))
+    missed: list[int] = []  # the times of records the store does not hold
+    read_log_bounds = lag_module.fetch_log_bounds
+
+    async def answer_arriving_late(*args: Any, **kwargs: Any) -> dict[int, LogBounds]:
+        bounds = await read_log_bounds(*args, **kwargs)
+        missed.extend(produce(producer, topic, 5))  # written while the answer travels back
+        await asyncio.sleep(0.05)
+        return bounds
+
+    monkeypatch.setattr(lag_module, "fetch_log_bounds", answer_arriving_late)
+
+    async def refresh() -> None:
+        client = AIOKafkaClient(bootstrap_servers=broker.bootstrap_servers)
+        await client.bootstrap()
+        try:
+            await tracker.refresh(client)
+        finally:
+            await client.close()
+
+    try:
+        asyncio.run(refresh())
+        lag = tracker.snapshot[0]
+        assert tracker.broker_error is None
+        assert (lag.end_offset, lag.lag) == (10, 0)
+        assert lag.caught_up_at_ms is not None
+        assert lag.caught_up_at_ms <= min(missed), "records the store lacks counted as applied"
     finally:
         store.close()

@@ -13,6 +13,7 @@ from partitioner import (
     murmur2,
     partition,
 )
+from partitioner.hashes import murmur2_positive_reference, murmur2_reference
 from tests.partitioner.independent import four_byte_key_with_murmur2, java_partition
 
 INT32_MIN = -(2**31)
@@ -40,6 +41,8 @@ def test_key_whose_murmur2_is_int32_min_goes_to_partition_zero():
     # toPositive(INT32_MIN) == 0, where a naive abs() would overflow to a negative partition.
     key = four_byte_key_with_murmur2(INT32_MIN)
     assert murmur2(key) == INT32_MIN
+    assert murmur2_reference(key) == INT32_MIN
+    assert murmur2_positive_reference(key) == 0
     for num_partitions in (1, 7, 12, 100, 2**31 - 1):
         assert partition(key, num_partitions) == 0 == java_partition(key, num_partitions)
 

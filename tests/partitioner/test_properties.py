@@ -13,6 +13,7 @@ from partitioner.hashes import (
     fnv1a_librdkafka_reference,
     murmur2,
     murmur2_positive,
+    murmur2_positive_reference,
     murmur2_reference,
 )
 from tests.partitioner.independent import (
@@ -39,6 +40,7 @@ def test_murmur2_agrees_with_java_transliteration(key):
     assert murmur2_reference(key) == expected
     assert murmur2(key) == expected
     assert murmur2_positive(key) == expected & 0x7FFFFFFF
+    assert murmur2_positive_reference(key) == expected & 0x7FFFFFFF
 
 
 @settings(max_examples=1000)
@@ -53,6 +55,8 @@ def test_murmur2_agrees_with_python_kafka_clients(key):
 @given(keys, partition_counts)
 def test_murmur2_partition_is_javas(key, num_partitions):
     assert partition(key, num_partitions) == java_partition(key, num_partitions)
+    # The pure-Python fallback, as partition() computes it where the extension is missing.
+    assert murmur2_positive_reference(key) % num_partitions == java_partition(key, num_partitions)
 
 
 @settings(max_examples=2000)

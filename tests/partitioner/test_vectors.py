@@ -11,6 +11,7 @@ from partitioner.hashes import (
     fnv1a_librdkafka_reference,
     murmur2,
     murmur2_positive,
+    murmur2_positive_reference,
     murmur2_reference,
 )
 
@@ -65,8 +66,11 @@ def test_kafka_utils_test_murmur2(implementation, key, expected):
 
 
 @pytest.mark.parametrize(("key", "expected"), LIBRDKAFKA_MURMUR2)
-def test_librdkafka_murmur2_unittest(key, expected):
-    assert murmur2_positive(key) == expected
+@pytest.mark.parametrize(
+    "positive", [murmur2_positive, murmur2_positive_reference], ids=["fast", "reference"]
+)
+def test_librdkafka_murmur2_unittest(positive, key, expected):
+    assert positive(key) == expected
     assert murmur2(key) & 0x7FFFFFFF == expected
 
 
@@ -87,3 +91,23 @@ def test_librdkafka_0048_partitioner(algorithm, num_partitions):
 
 def test_crc32_matches_0048_hashes():
     assert [crc32_unsigned(key) for key in _KEYS_0048] == LIBRDKAFKA_0048["crc32"]
+
+
+# The pure-Python references answer where the C extension could not be built: the same tables.
+REFERENCE_POSITIVE_HASHES = {
+    "murmur2": murmur2_positive_reference,
+    "fnv1a": fnv1a_librdkafka_reference,
+    "crc32": crc32_unsigned,
+}
+
+
+@pytest.mark.parametrize("algorithm", sorted(LIBRDKAFKA_0048))
+def test_librdkafka_0048_hashes_from_the_pure_python_references(algorithm):
+    positive = REFERENCE_POSITIVE_HASHES[algorithm]
+    assert [positive(key) for key in _KEYS_0048] == LIBRDKAFKA_0048[algorithm]
+
+
+@pytest.mark.parametrize(("key", "signed"), KAFKA_UTILS_TEST_MURMUR2)
+def test_kafka_utils_test_murmur2_made_positive_by_the_reference(key, signed):
+    """Five of the six Kafka vectors are negative: toPositive is `& 0x7fffffff`, not abs()."""
+    assert murmur2_positive_reference(key) == signed & 0x7FFFFFFF

@@ -37,10 +37,59 @@ def replica_sets(draw):
 
 budgets = st.builds(LagBudget, offsets, millis)
 ejections = st.frozensets(st.sampled_from([f"n{i}" for i in range(5)]), max_size=2)
+policies = st.sampled_from(["reject", "accept"])
 
 
 def fresh(replica: Replica) -> bool:
     return replica.reported_at_ms is not None and NOW - replica.reported_at_ms <= 3_000
+
+
+def time_lag_of(replica: Replica) -> int | None:
+    """The staleness bound as the contract defines it (written here, not taken from choice.py):
+    the time since it was last known caught up; 0 for lag 0 with no such time; else unknown."""
+    if replica.caught_up_at_ms is None:
+        return 0 if replica.lag == 0 else None
+    return max(NOW - replica.caught_up_at_ms, 0)
+
+
+def may_answer(replica: Replica, budget: LagBudget, unknown_lag: str, standby_reads: bool) -> bool:
+    """Whether the replica may be offered at all: alive, allowed by its role, and inside
+    every limit of the budget (a limit is met exactly at its value)."""
+    if not replica.alive or (replica.role == "standby" and not standby_reads):
+        return False
+    if budget.max_offsets is None and budget.max_ms is None:
+        return True
+    for limit, value in ((budget.max_offsets, replica.lag), (budget.max_ms, time_lag_of(replica))):
+        known = value if fresh(replica) else None
+        if limit is None:
+            continue
+        if known is None:
+            if unknown_lag == "reject":
+                return False
+        elif known > limit:
+            return False
+    return True
+
+
+@st.composite
+def replicas_and_budgets(draw):
+    """Replica sets with budgets often exactly at, one under or one over a replica's own lag
+    or time lag: the boundaries where a comparison written the wrong way shows."""
+    replicas = draw(replica_sets())
+
+    def limits(values: list[int]) -> st.SearchStrategy[int | None]:
+        near = sorted({v + d for v in values for d in (-1, 0, 1) if v + d >= 0})
+        return st.one_of(st.none(), st.sampled_from(near)) if near else st.none()
+
+    lags = [r.lag for r in replicas if r.lag is not None]
+    time_lags = [t for r in replicas if (t := time_lag_of(r)) is not None]
+    budget = draw(
+        st.one_of(
+            budgets,
+            st.builds(LagBudget, limits(lags), limits(time_lags)),
+        )
+    )
+    return replicas, budget
 
 
 @settings(max_examples=1000)
@@ -60,6 +109,34 @@ def test_never_a_dead_or_over_budget_replica_and_ejected_ones_last(replicas, bud
             time_lag = replica.time_lag_ms(NOW)
             assert time_lag is not None
             assert time_lag <= budget.max_ms
+
+
+@settings(max_examples=600)
+@given(replicas_and_budgets(), ejections, policies, st.booleans())
+def test_every_replica_that_may_answer_is_offered_and_no_other(
+    case, ejected, unknown_lag, standby_reads
+):
+    """Liveness as well as safety: refusing an in-budget replica turns a read that could be
+    answered into a 503, as surely as offering an over-budget one serves stale data."""
+    replicas, budget = case
+    choice = choose_replicas(
+        replicas,
+        budget,
+        now_ms=NOW,
+        ejected=ejected,
+        unknown_lag=unknown_lag,
+        standby_reads=standby_reads,
+    )
+    expected = {r.node_id for r in replicas if may_answer(r, budget, unknown_lag, standby_reads)}
+    assert {r.node_id for r in choice.candidates} == expected
+
+
+def test_a_replica_exactly_at_the_budget_is_inside_it():
+    at_limits = replica("b", lag=100, caught_up_ago=10_000)
+    exact = LagBudget(max_offsets=100, max_ms=10_000)
+    assert choose_replicas((at_limits,), exact, now_ms=NOW).candidates == (at_limits,)
+    for tighter in (LagBudget(max_offsets=99), LagBudget(max_ms=9_999)):
+        assert choose_replicas((at_limits,), tighter, now_ms=NOW).candidates == ()
 
 
 @settings(max_examples=500)
@@ -148,6 +225,23 @@ def test_spreading_rotates_in_sync_replicas_only_and_keeps_ejected_ones_last(
     if width > 1:  # every one of them gets the first read in turn
         firsts = {rotated(choice.candidates, width, n)[0] for n in range(width)}
         assert firsts == set(choice.candidates[:width])
+
+
+@settings(max_examples=500)
+@given(replica_sets(), budgets, ejections)
+def test_reads_spread_over_every_in_sync_replica_that_was_not_ejected(replicas, budget, ejected):
+    """Liveness of spreading: each in-sync, non-ejected candidate gets the first read in
+    turn (not merely: whoever does is in sync); with none in sync only the first is tried."""
+    choice = choose_replicas(replicas, budget, now_ms=NOW, ejected=ejected)
+    sharing = {r.node_id for r in choice.candidates if in_sync_now(r) and r.node_id not in ejected}
+    firsts = {
+        rotated(choice.candidates, choice.spread_width, n)[0].node_id
+        for n in range(len(choice.candidates))
+    }
+    if sharing:
+        assert firsts == sharing
+    else:
+        assert firsts == {r.node_id for r in choice.candidates[:1]}
 
 
 def test_spreading_never_puts_an_ejected_replica_first():

@@ -45,6 +45,20 @@ def test_fixed_store_wildcard_query_and_header_keys():
     assert by_header.key == "7"
 
 
+def test_blank_query_and_header_keys_are_keys():
+    """An empty key is a key (producers write records keyed b""): a blank query value or header
+    is looked up like the empty path segment, not taken as missing, and a blank value still
+    counts when the parameter is given twice."""
+    by_query = TABLE.match("/v1/x/lookup", "id=&x=1", NO_HEADERS)
+    assert by_query is not None
+    assert (by_query.store, by_query.key) == ("cards", "")
+    with pytest.raises(KeyRejected, match="given 2 times"):
+        TABLE.match("/v1/x/lookup", "id=&id=2", NO_HEADERS)
+    by_header = TABLE.match("/check", None, {"x-card": ""}.get)
+    assert by_header is not None
+    assert by_header.key == ""
+
+
 def test_unkeyed_paths_match_nothing():
     for path in ("/", "/stores/s/keys", "/stores/s/keys/k/extra", "/customers", "/other"):
         assert TABLE.match(path, None, NO_HEADERS) is None

@@ -4,6 +4,7 @@ that builds it from a real redis-server, on Redis time."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 import uuid
 
@@ -11,7 +12,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from common.clock import SharedClock
+from common.clock import SharedClock, now_ms
 from common.contract import (
     Assignment,
     Hosting,
@@ -23,8 +24,19 @@ from common.contract import (
     encode,
 )
 from partitioner import partition
+from proxy import handler as handler_module
+from proxy._hotpath import Candidate, Hub
 from proxy.choice import LagBudget, Replica, choose_replicas
+from proxy.exchange import ExchangeContext
+from proxy.handler import ChoicePolicy, RequestHandler
+from proxy.health import Ejections
+from proxy.http import ClientRequest
+from proxy.metrics import ProxyMetrics
+from proxy.retry_budget import RetryBudget
+from proxy.routes import RouteTable
 from proxy.routing import EMPTY, build_snapshot
+from proxy.settings import DEFAULT_ROUTES, parse_routes
+from proxy.upstream import UpstreamPool
 from proxy.watcher import TableWatcher
 
 NOW = 5_000_000
@@ -120,6 +132,105 @@ def test_before_any_assignment_there_is_nothing_to_route():
     )
     assert built.stores["customers"].replicas == ((), (), ())
     assert EMPTY.stores == {}
+
+
+# -- the handler spreads a partition's reads over its in-sync replicas ------------------------
+
+
+def first_tried(monkeypatch: pytest.MonkeyPatch, *, spread: bool, reads: int) -> list[str]:
+    """The node each of `reads` lookups of one key is sent to first, as the request handler
+    hands its candidates to the exchange (which would forward them; here it only records)."""
+    tried: list[str] = []
+
+    class RecordedExchange:
+        def __init__(self, *_args: object, targets: tuple[Candidate, ...], **_kw: object) -> None:
+            tried.append(targets[0].target.node_id)
+
+        def start(self) -> None:
+            pass
+
+    monkeypatch.setattr(handler_module, "Exchange", RecordedExchange)
+    key = next(f"k{i}" for i in range(100) if partition(f"k{i}".encode(), 3) == 0)
+    asyncio.run(_read_key(key, spread, reads))
+    return tried
+
+
+def a_hub(spread: bool) -> Hub:
+    return Hub(
+        status_lines={200: b"HTTP/1.1 200 OK\r\n"},
+        request_drop=(b"connection",),
+        response_drop=(b"connection",),
+        python_only=(b"content-length",),
+        id_prefix=b"test",
+        response_timeout_s=1.0,
+        idle_timeout_s=1.0,
+        max_response_bytes=1_000,
+        max_request_bytes=1_000,
+        max_headers=10,
+        idle_per_origin=1,
+        spread=int(spread),
+    )
+
+
+async def _read_key(key: str, spread: bool, reads: int) -> None:
+    hub = a_hub(spread)
+    pool = UpstreamPool(
+        hub=hub,
+        connect_timeout_s=1.0,
+        response_timeout_s=1.0,
+        idle_per_origin=1,
+        max_response_bytes=1_000,
+    )
+    metrics = ProxyMetrics()
+    context = ExchangeContext(
+        pool=pool,
+        ejections=Ejections(eject_ms=1_000, probe_interval_ms=1_000, probe_timeout_s=1.0),
+        metrics=metrics,
+        refresh_table=lambda: None,
+        retry_budget=RetryBudget(percent=20, min_per_s=1, burst=10),
+    )
+    policy = ChoicePolicy(LagBudget(), "reject", 3_000, spread)
+    routes = RouteTable(parse_routes(DEFAULT_ROUTES))
+    handler = RequestHandler(
+        routes=routes, policy=policy, context=context, metrics=metrics, hub=hub
+    )
+    now = now_ms()
+    caught_up = PartitionReport(100, 100, now, now - 10, now)  # a and b: in sync, just reported
+    handler.use_snapshot(
+        build_snapshot(
+            stores={"customers": STORE},
+            assignment=ASSIGNMENT,
+            hostings=ALL_HOSTING,
+            reports={("a", "customers", 0): caught_up, ("b", "customers", 0): caught_up},
+            nodes=NODES,
+            alive=frozenset({"a", "b", "c"}),
+            built_at_ms=now,
+        )
+    )
+    path = f"/stores/customers/keys/{key}"
+    for i in range(reads):
+        request = ClientRequest(
+            method="GET",
+            target=path,
+            path=path,
+            query=None,
+            headers=[],
+            body=b"",
+            client_ip="127.0.0.1",
+            keep_alive=True,
+            request_id=b"spread-%d" % i,
+            received_at=time.perf_counter(),
+        )
+        handler.handle(request, client=None)  # type: ignore[arg-type]
+
+
+def test_with_spread_on_the_handler_rotates_reads_over_the_in_sync_replicas(monkeypatch):
+    """Partition 0's active (a) and standby (b) are both in sync: with KROUTE_SPREAD each gets
+    every other read first; without it the active gets them all."""
+    spread = first_tried(monkeypatch, spread=True, reads=6)
+    assert sorted(spread) == ["a", "a", "a", "b", "b", "b"]
+    assert all(x != y for x, y in itertools.pairwise(spread))
+    assert first_tried(monkeypatch, spread=False, reads=6) == ["a"] * 6
 
 
 # -- the watcher against a real redis-server: one clock for writers and readers -------------
