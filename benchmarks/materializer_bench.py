@@ -13,12 +13,20 @@ workers, the producer and wrk), so the figures are for comparing runs, not absol
 
 Usage: .venv/bin/python -m benchmarks.materializer_bench [--records 300000] [--seconds 8]
 Needs wrk (apt-get install wrk).
+
+With --spark-cluster it measures instead a node on a Spark standalone cluster (a master and one
+worker started from the pyspark package, kroute/spark_cluster.py) against a node on local[*]:
+the same records on two identical topics, one after the other in one run, ingest records/s and
+freshness as above. The figures go under "spark_cluster" in results/materializer.json (the
+other keys are kept) and in their own section of RESULTS.md. --dry-run writes nothing (smoke
+runs).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import shutil
 import statistics
 import sys
@@ -32,9 +40,16 @@ import httpx
 from confluent_kafka import Producer
 
 from benchmarks import wrk
-from benchmarks.results_file import git_revision, machine_notes, write_json, write_section
+from benchmarks.results_file import (
+    RESULTS_JSON_DIR,
+    git_revision,
+    machine_notes,
+    write_json,
+    write_section,
+)
 from kroute.embedded import EmbeddedServices
 from kroute.nodes import NodeHandle, start_node
+from kroute.spark_cluster import SparkStandaloneCluster, spark_standalone_cluster
 from kroute.topics import create_topics
 from materializer.kafka_offsets import end_offsets
 
@@ -133,6 +148,20 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def freshness_figures(fresh: list[float]) -> dict[str, float]:
+    return {
+        "samples": len(fresh),
+        "p50_ms": round(statistics.median(fresh), 1),
+        "p99_ms": round(percentile(fresh, 0.99), 1),
+        "max_ms": round(max(fresh), 1),
+    }
+
+
+def command_line(argv: list[str] | None) -> str:
+    arguments = sys.argv[1:] if argv is None else argv
+    return ("python -m benchmarks.materializer_bench " + " ".join(arguments)).strip()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -142,13 +171,25 @@ def main(argv: list[str] | None = None) -> int:
         "--seconds", type=int, default=8, help="wrk duration per lookup phase (<= 60)"
     )
     parser.add_argument("--freshness-samples", type=int, default=300, help="<= 3000")
+    parser.add_argument(
+        "--spark-cluster",
+        action="store_true",
+        help="measure a node on a Spark standalone cluster against local[*] (no wrk needed)",
+    )
+    parser.add_argument(
+        "--cluster-cores", type=int, default=1, help="spark.cores.max of the cluster node (1-2)"
+    )
+    parser.add_argument("--dry-run", action="store_true", help="print the figures only")
     args = parser.parse_args(argv)
     if not (
         1000 <= args.records <= 2_000_000
         and 1 <= args.seconds <= 60
         and 10 <= args.freshness_samples <= 3000
+        and 1 <= args.cluster_cores <= 2
     ):
         parser.error("parameters out of range")
+    if args.spark_cluster:
+        return spark_cluster_vs_local(args, command_line(argv))
     if shutil.which("wrk") is None:
         parser.error("wrk is not installed: apt-get install wrk")
 
@@ -181,16 +222,10 @@ def main(argv: list[str] | None = None) -> int:
         node.process.stop()
         node.close()
 
-    freshness = {
-        "samples": len(fresh),
-        "p50_ms": round(statistics.median(fresh), 1),
-        "p99_ms": round(percentile(fresh, 0.99), 1),
-        "max_ms": round(max(fresh), 1),
-    }
+    freshness = freshness_figures(fresh)
     print(f"  {freshness}")
-    command = "python -m benchmarks.materializer_bench " + " ".join(
-        sys.argv[1:] if argv is None else argv
-    )
+    command = command_line(argv)
+    previous = read_results()
     figures = {
         "records_per_s": ingest["records_per_s"],
         "lookup_rps": busy["rps"],
@@ -202,12 +237,162 @@ def main(argv: list[str] | None = None) -> int:
         "ingest_while_serving": busy_ingest,
         "freshness": freshness,
         "last_batch": batches,
-        "command": command.strip(),
+        "command": command,
         "machine": machine_notes(),
     }
+    if "spark_cluster" in previous:  # measured by its own mode: kept
+        figures["spark_cluster"] = previous["spark_cluster"]
+    if args.dry_run:
+        print(json.dumps(figures, indent=2))
+        return 0
     write_json("materializer", figures)
     write_section("materializer", render(figures))
     return 0
+
+
+def read_results() -> dict[str, Any]:
+    path = RESULTS_JSON_DIR / "materializer.json"
+    return dict(json.loads(path.read_text())) if path.exists() else {}
+
+
+# -- a node on a Spark standalone cluster against local[*] ----------------------------------------
+
+
+def measure_node(
+    services: EmbeddedServices,
+    bootstrap: str,
+    workdir: Path,
+    mode: str,
+    records: int,
+    samples: int,
+    **node_settings: str,
+) -> dict[str, Any]:
+    """One node on a topic of its own with the same records as every other mode: caught up on
+    KEYS seed records, then ingest of `records` more, then freshness."""
+    topic = f"bookings-{mode}"
+    create_topics(bootstrap, {topic: PARTITIONS})
+    produce(bootstrap, topic, KEYS)
+    print(f"[{mode}] starting a node ({node_settings.get('spark_master')}) ...", flush=True)
+    started = time.perf_counter()
+    node = start_node(
+        services,
+        bootstrap,
+        topic,
+        workdir / f"node-{mode}",
+        name=f"node-{mode}",
+        store="customers",
+        log_level="warning",
+        wait_ready=False,
+        **node_settings,
+    )
+    try:
+        node.wait_caught_up(ends(bootstrap, topic), timeout_s=600)
+        ready_s = time.perf_counter() - started
+        print(f"[{mode}] ingest ...", flush=True)
+        ingest = measure_ingest(node, bootstrap, topic, records, KEYS)
+        print(f"[{mode}]   {ingest}", flush=True)
+        print(f"[{mode}] freshness ...", flush=True)
+        freshness = freshness_figures(measure_freshness(node, bootstrap, topic, samples))
+        print(f"[{mode}]   {freshness}", flush=True)
+        last_batch = node.metadata()["pipeline"].get("last_batch")
+    finally:
+        node.process.stop()
+        node.close()
+    return {
+        "records_per_s": ingest["records_per_s"],
+        "freshness_p50_ms": freshness["p50_ms"],
+        "freshness_p99_ms": freshness["p99_ms"],
+        "seed_caught_up_s": round(ready_s, 1),  # Spark's start-up and KEYS seed records
+        "ingest": ingest,
+        "freshness": freshness,
+        "last_batch": last_batch,
+    }
+
+
+def spark_cluster_vs_local(args: argparse.Namespace, command: str) -> int:
+    workdir = Path(tempfile.mkdtemp(prefix="kroute-bench-"))
+    with (
+        EmbeddedServices(workdir) as services,
+        spark_standalone_cluster(
+            worker_cores=2, worker_memory="1g", log_dir=workdir / "spark"
+        ) as spark,
+    ):
+        bootstrap = services.start_broker().bootstrap_servers
+        local = measure_node(
+            services, bootstrap, workdir, "local", args.records, args.freshness_samples,
+            spark_master="local[*]",
+        )  # fmt: skip
+        cluster_conf = {
+            "spark.cores.max": str(args.cluster_cores),
+            "spark.executor.memory": "768m",
+        }
+        cluster = measure_node(
+            services, bootstrap, workdir, "cluster", args.records, args.freshness_samples,
+            spark_master=spark.master_url, spark_conf=json.dumps(cluster_conf),
+        )  # fmt: skip
+        topology = cluster_topology(spark, cluster_conf)
+    figures = {
+        "local": local,
+        "cluster": cluster,
+        "cluster_vs_local_records_per_s": round(
+            cluster["records_per_s"] / local["records_per_s"], 2
+        ),
+        "cluster_vs_local_freshness_p99": round(
+            cluster["freshness_p99_ms"] / local["freshness_p99_ms"], 2
+        ),
+        "topology": topology,
+        "command": command,
+        "revision": git_revision(),
+        "machine": machine_notes(),
+    }
+    print(json.dumps(figures, indent=2), flush=True)
+    if args.dry_run:
+        return 0
+    # The other figures keep the revision they measured (write_json would stamp today's).
+    previous = {"revision": "not recorded", **read_results()}
+    write_json("materializer", {**previous, "spark_cluster": figures})
+    write_section("materializer-spark-cluster", render_spark_cluster(figures))
+    return 0
+
+
+def cluster_topology(spark: SparkStandaloneCluster, conf: dict[str, str]) -> str:
+    workers = (spark.state() or {}).get("workers", [])
+    return (
+        f"standalone master + {len(workers)} worker ({spark.worker_cores} cores, "
+        f"{spark.worker_memory}) on this machine; the node's application: {json.dumps(conf)}"
+    )
+
+
+def render_spark_cluster(f: dict[str, Any]) -> str:
+    local, cluster = f["local"], f["cluster"]
+
+    def row(name: str, node: dict[str, Any]) -> str:
+        fresh = node["freshness"]
+        return (
+            f"| {name} | {node['records_per_s']:,} | p50 {fresh['p50_ms']} ms, p99 "
+            f"{fresh['p99_ms']} ms, max {fresh['max_ms']} ms | {node['seed_caught_up_s']} s |"
+        )
+
+    return "\n".join(
+        [
+            "## Materializer: a node on a Spark standalone cluster against local[*]",
+            "",
+            f"Command: `{f['command']}` (revision {f['revision']}; {f['machine']}). The same "
+            f"records ({local['ingest']['records']:,} small JSON records after {KEYS:,} seed "
+            "records, 6 partitions) on two identical topics, one node at a time; "
+            f"{f['topology']}. Everything shares the machine's cores, so the cluster's "
+            "executor competes with the node for the same CPU: this measures the cost of the "
+            "cluster's extra hop (executor to driver), not the gain of more machines.",
+            "",
+            "| Spark | records/s | freshness, produce → visible through GET | start + seed caught up |",
+            "|---|---|---|---|",
+            row("local[*] (in the node)", local),
+            row("standalone cluster", cluster),
+            "",
+            f"Cluster / local: {f['cluster_vs_local_records_per_s']}x records/s, "
+            f"{f['cluster_vs_local_freshness_p99']}x freshness p99.",
+        ]
+    )
 
 
 def render(f: dict[str, Any]) -> str:

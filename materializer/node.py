@@ -135,6 +135,7 @@ class Node:
             "restarts": state.restarts,
             "last_error": state.last_error,
             "last_error_at_ms": state.last_error_at_ms,
+            "executors": state.executors,  # None in local mode; 0: waiting for Spark executors
             "last_batch": {k: progress.get(k) for k in ("batchId", "numInputRows", "durationMs")}
             if progress
             else None,
@@ -268,6 +269,7 @@ class Node:
         )
         self.state.lag.refresh_offsets_only()
         starting = asyncio.create_task(self._start_materializing())
+        starting.add_done_callback(self._materializing_started)
         try:
             await self._stop.wait()
         finally:
@@ -288,6 +290,16 @@ class Node:
             await self._leave_cluster()
             self.store.close()
             log.info("node stopped")
+
+    def _materializing_started(self, task: asyncio.Task[None]) -> None:
+        """A start that failed (Spark refusing its settings, say) stops the node with the
+        reason, instead of leaving it live, never ready and "starting" forever."""
+        if task.cancelled() or task.exception() is None:
+            return
+        error = task.exception()
+        log.error("could not start materializing", error=f"{type(error).__name__}: {error}")
+        self.exit_code = 1
+        self._stop.set()
 
     async def _start_materializing(self) -> None:
         self._client, num_partitions = await connect_to_broker(self.settings)

@@ -27,6 +27,7 @@ import shutil
 import sys
 import threading
 import time
+import urllib.parse
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -78,8 +79,9 @@ def create_spark_session(settings: NodeSettings, java_home: Path) -> SparkSessio
         builder = builder.config("spark.jars.packages", settings.spark_packages)
     for key, value in settings.spark_conf.items():
         builder = builder.config(key, value)
-    if settings.spark_master.startswith("local"):
-        # In local mode nothing outside this machine talks to the driver: loopback only.
+    if on_this_machine_only(settings.spark_master):
+        # In local mode, or with a master on loopback, nothing outside this machine talks to
+        # the driver: loopback only (executors on a loopback cluster reach it there).
         os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
         builder = builder.config("spark.driver.bindAddress", "127.0.0.1").config(
             "spark.driver.host", "127.0.0.1"
@@ -88,6 +90,14 @@ def create_spark_session(settings: NodeSettings, java_home: Path) -> SparkSessio
     spark.sparkContext.setLogLevel("ERROR")
     spark.dataSource.register(KafkaDataSource)
     return spark
+
+
+def on_this_machine_only(master: str) -> bool:
+    """local[...], or a standalone master on a loopback address (spark://127.0.0.1:7077)."""
+    if master.startswith("local"):
+        return True
+    host = urllib.parse.urlsplit(master).hostname or ""
+    return host == "localhost" or host.startswith("127.") or host == "::1"
 
 
 @dataclass(frozen=True)
@@ -157,6 +167,9 @@ class PipelineProgress:
     last_error: str | None
     last_error_at_ms: int | None
     restarts: int
+    # Spark executors the application has (None: local mode, where the driver runs tasks, or
+    # not known yet); 0 on a cluster means micro-batches wait for one (see ExecutorWatch).
+    executors: int | None = None
 
 
 class Pipeline:
@@ -187,6 +200,7 @@ class Pipeline:
         self._started_at_ms: int | None = None
         self._last_batch_at_ms: int | None = None
         self._records_cap = settings.max_records_per_partition  # lowered by _shrink_batches
+        self._executors = ExecutorWatch(spark, settings.spark_master, self._note_error)
 
     @property
     def running(self) -> bool:
@@ -196,9 +210,11 @@ class Pipeline:
     def start(self) -> None:
         self._started_at_ms = now_ms()
         self._thread.start()
+        self._executors.start()
 
     def stop(self, timeout_s: float = 30.0) -> None:
         self._stopping.set()
+        self._executors.stop()
         self._replanned.set()
         self._await_batch_end(timeout_s)
         with self._lock:
@@ -297,7 +313,12 @@ class Pipeline:
             last_error=self.last_error,
             last_error_at_ms=self._last_error_at_ms,
             restarts=self.restarts,
+            executors=self._executors.count,
         )
+
+    def _note_error(self, error: str) -> None:
+        self.last_error = error
+        self._last_error_at_ms = now_ms()
 
     def _supervise(self) -> None:
         delay = 1.0
@@ -375,6 +396,83 @@ class Pipeline:
         if self._checkpoint_dir is not None:
             shutil.rmtree(self._checkpoint_dir, ignore_errors=True)
             self._checkpoint_dir = None
+
+
+class ExecutorWatch:
+    """On a Spark cluster, notices when the application has no executors, and says so.
+
+    The store, the lookups and the lag reports live in the node (the driver); only the reads
+    of Kafka and the transform run on executors. With none (every worker lost, or the
+    cluster's cores all taken by other applications) Spark does not fail the query: the
+    micro-batch waits, silently, until the master gives the application an executor again,
+    and then goes on from where it was. This makes the wait visible: a warning in the log, the
+    pipeline's `last_error` (in /metadata, /health/ready and stall reasons) and
+    `PipelineProgress.executors`.
+    """
+
+    INTERVAL_S = 2.0
+    NONE_FOR_S = 4.0  # executors come and go for a moment while the master replaces one
+    # A new application's first executor takes a JVM start (20 s seen on a busy machine).
+    NONE_AT_START_FOR_S = 30.0
+
+    def __init__(self, spark: SparkSession, master: str, report: Callable[[str], None]) -> None:
+        self._spark = spark
+        self._master = master
+        self._report = report
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(
+            target=self._watch, name="kroute-executor-watch", daemon=True
+        )
+        self.count: int | None = None
+        self._none_since: float | None = None
+        self._said_none = False
+        self._had_one = False
+
+    def start(self) -> None:
+        if not self._master.startswith("local"):  # in local mode the driver runs the tasks
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    def _watch(self) -> None:
+        while not self._stopping.wait(self.INTERVAL_S):
+            try:
+                self.count = executor_count(self._spark)
+            except Exception as exc:  # noqa: BLE001 - the driver stopping; a py4j hiccup
+                log.debug("cannot count Spark executors", error=str(exc))
+                continue
+            self._judge(time.monotonic())
+
+    def _judge(self, at: float) -> None:
+        if self.count:
+            if self._said_none:
+                log.info("Spark executors back; micro-batches run again", executors=self.count)
+            self._none_since, self._said_none, self._had_one = None, False, True
+            return
+        if self._none_since is None:
+            self._none_since = at
+        patience = self.NONE_FOR_S if self._had_one else self.NONE_AT_START_FOR_S
+        if not self._said_none and at - self._none_since >= patience:
+            self._said_none = True
+            message = no_executors_message(self._master)
+            log.warning(message)
+            self._report(message)
+
+
+def executor_count(spark: SparkSession) -> int:
+    """Executors registered with this driver; the driver's own block manager is not one."""
+    status = spark.sparkContext._jsc.sc().getExecutorMemoryStatus()
+    return max(int(status.size()) - 1, 0)
+
+
+def no_executors_message(master: str) -> str:
+    return (
+        f"no Spark executors: the cluster at {master} gives this node none (its workers are "
+        "down, or other applications hold every core: give each node spark.cores.max in "
+        "KROUTE_SPARK_CONF); micro-batches wait until one comes back, lookups are served "
+        "from the store meanwhile"
+    )
 
 
 def too_big_for_the_driver(exc: BaseException) -> bool:

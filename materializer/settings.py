@@ -88,7 +88,8 @@ class NodeSettings(EnvSettings):
     spark_conf: Json[dict[str, str]] = Field(
         default={},
         description="More Spark settings, a JSON object applied last, e.g. "
-        '{"spark.cores.max": "2", "spark.driver.maxResultSize": "2g"}.',
+        '{"spark.cores.max": "2", "spark.driver.maxResultSize": "2g"}. Nodes sharing a Spark '
+        "standalone cluster each need spark.cores.max (docs/spark-cluster.md).",
     )
     max_value_bytes: int = Field(
         default=8 * 1024 * 1024,

@@ -262,3 +262,23 @@ def test_batches_too_big_for_the_driver_are_made_smaller_until_they_fit(embedded
 
 def ends_of_one(bootstrap: str, topic: str) -> dict[int, int]:
     return asyncio.run(end_offsets(bootstrap, topic, [0]))
+
+
+def test_spark_refusing_to_start_stops_the_node_with_the_reason(embedded, broker, tmp_path):
+    """Spark refusing its settings must not leave a node live, never ready, "starting" forever."""
+    create_topics(broker.bootstrap_servers, {"refused": 2})
+    node = start_node(
+        embedded,
+        broker.bootstrap_servers,
+        "refused",
+        tmp_path / "data",
+        wait_ready=False,
+        spark_conf='{"spark.serializer": "no.such.Serializer"}',
+    )
+    try:
+        assert node.process.popen.wait(timeout=120) == 1
+        log = node.process.log_path.read_text()
+        assert "could not start materializing" in log
+        assert "no.such.Serializer" in log
+    finally:
+        node.close()
