@@ -7,7 +7,8 @@ carries `"v": SCHEMA_VERSION`; a reader refuses values of a newer major version 
 guessing.
 
 Keys, for a cluster named C, all under `kroute:C:` (details in docs/redis-contract.md):
-`nodes` / `stores` sets of ids and names; `node:<id>` NodeInfo (the node); `alive:<id>` "1" with
+`nodes` / `stores` sets of ids and names (the leader removes a node dead past its grace period
+and placed nowhere); `node:<id>` NodeInfo (the node); `alive:<id>` "1" with
 a TTL, the heartbeat (the node); `store:<name>` StoreInfo (every node hosting the store, who
 must agree); `hosting:<id>` Hosting, what a node serves (the node);
 
@@ -18,7 +19,9 @@ leader first saw it dead (the leader); pub/sub channel `events` Event.
 Times are Redis time (`common.clock`): every writer and reader keeps an offset to Redis `TIME`.
 An assignment's generation only grows (the leader's write refuses one that is not greater);
 readers take the stored assignment whenever it differs from theirs in anything, never by
-comparing generations alone.
+comparing generations alone. Writers announce changes on `events` naming the node (or the
+assignment); readers read what an event names, sweep every node's reports, and read everything
+only at start, after missed events or errors (docs/redis-contract.md, "What readers read").
 """
 
 from __future__ import annotations

@@ -14,11 +14,18 @@ Rules, in the order they are applied to every partition (KIP-441 in spirit):
    by swapping roles, while active counts differ by more than one: a new replica is warmed up
    before it is counted on.
 Ties are broken by node id, so the same inputs always give the same assignment.
+
+Cost: every node's load is counted once and kept current as placements change (`_Loads`), and
+the least-loaded live node is the first of a sorted list, so placing P partitions from nothing
+costs O(P log N) rather than a count over every placement for every choice (O(P^2): 21 s for
+2,000 partitions, measured before this).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from bisect import bisect_left, insort
+from collections import Counter
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from common.contract import Assignment, PartitionAssignment
@@ -43,6 +50,65 @@ class _Placement:
         return ([self.active] if self.active else []) + self.standbys
 
 
+class _Loads:
+    """Every node's (active count, replica count) over all placements, kept current: call
+    `moving(placement)` before a placement changes and `moved(placement)` after it. The live
+    nodes are also kept sorted by (actives, replicas, id) and by (replicas, actives, id), the
+    orders the least-loaded choices take."""
+
+    def __init__(self, placements: Iterable[_Placement], alive: list[str]) -> None:
+        self.actives: Counter[str] = Counter()
+        self.replicas: Counter[str] = Counter()
+        self._alive: set[str] = set()  # none sorted yet while the counts are first taken
+        for placement in placements:
+            self._count(placement, 1)
+        self._alive = set(alive)
+        # Plain sorted lists: a move shifts a few thousand pointers at most (one per node).
+        self.by_actives = sorted(self._active_key(n) for n in alive)
+        self.by_replicas = sorted(self._replica_key(n) for n in alive)
+
+    def _active_key(self, node: str) -> tuple[int, int, str]:
+        return (self.actives[node], self.replicas[node], node)
+
+    def _replica_key(self, node: str) -> tuple[int, int, str]:
+        return (self.replicas[node], self.actives[node], node)
+
+    def of(self, nodes: Iterable[str]) -> dict[str, tuple[int, int]]:
+        """node -> (active count, replica count)."""
+        return {n: (self.actives[n], self.replicas[n]) for n in nodes}
+
+    def moving(self, placement: _Placement) -> None:
+        self._count(placement, -1)
+
+    def moved(self, placement: _Placement) -> None:
+        self._count(placement, 1)
+
+    def _count(self, placement: _Placement, step: int) -> None:
+        for node in dict.fromkeys(placement.replicas()):
+            tracked = node in self._alive
+            if tracked:
+                _discard(self.by_actives, self._active_key(node))
+                _discard(self.by_replicas, self._replica_key(node))
+            if node == placement.active:
+                self.actives[node] += step
+            self.replicas[node] += step
+            if tracked:
+                insort(self.by_actives, self._active_key(node))
+                insort(self.by_replicas, self._replica_key(node))
+
+    def least_loaded(self, excluded: Iterable[str] = (), *, by_actives: bool) -> str | None:
+        """The live node first in the order, skipping `excluded` (a partition's few replicas)."""
+        skip = set(excluded)
+        for *_, node in self.by_actives if by_actives else self.by_replicas:
+            if node not in skip:
+                return node
+        return None
+
+
+def _discard(ordered: list[tuple[int, int, str]], key: tuple[int, int, str]) -> None:
+    del ordered[bisect_left(ordered, key)]
+
+
 def compute_assignment(
     stores: Mapping[str, int],
     members: Mapping[str, Member],
@@ -62,14 +128,15 @@ def compute_assignment(
         if not m.alive and m.dead_since_ms is not None and now_ms - m.dead_since_ms < grace_ms
     }
     placements = {pid: _sticky(previous, pid, holders) for pid in _all_partitions(stores)}
+    loads = _Loads(placements.values(), alive)
     wanted_standbys = max(0, min(standbys, len(holders) - 1))
     for pid, placement in sorted(placements.items()):
         if placement.active is None and alive:
-            _promote(pid, placement, alive, lag, placements)
-        _top_up_or_trim(placement, wanted_standbys, alive, placements)
+            _promote(pid, placement, alive, lag, loads)
+        _top_up_or_trim(placement, wanted_standbys, alive, loads)
     if alive:
-        _balance_standbys(placements, alive)
-        _balance_actives(placements, alive, lag, caught_up_lag)
+        _balance_standbys(placements, alive, loads)
+        _balance_actives(placements, alive, lag, caught_up_lag, loads)
     generation = (previous.generation if previous else 0) + 1
     stores_out: dict[str, dict[int, PartitionAssignment]] = {}
     for (store, partition), placement in sorted(placements.items()):
@@ -95,36 +162,15 @@ def _sticky(previous: Assignment | None, pid: PartitionId, holders: set[str]) ->
     return _Placement(active, list(dict.fromkeys(kept)))
 
 
-def _loads(
-    placements: Mapping[PartitionId, _Placement], nodes: list[str]
-) -> dict[str, tuple[int, int]]:
-    """node -> (active count, replica count)."""
-    actives = dict.fromkeys(nodes, 0)
-    replicas = dict.fromkeys(nodes, 0)
-    for placement in placements.values():
-        if placement.active in actives:
-            actives[placement.active] += 1
-        for node in placement.replicas():
-            if node in replicas:
-                replicas[node] += 1
-    return {n: (actives[n], replicas[n]) for n in nodes}
-
-
-def _least_loaded(
-    candidates: list[str], placements: Mapping[PartitionId, _Placement], by_actives: bool
-) -> str:
-    loads = _loads(placements, candidates)
-    return min(candidates, key=lambda n: (loads[n] if by_actives else loads[n][::-1], n))
-
-
 def _promote(
     pid: PartitionId,
     placement: _Placement,
     alive: list[str],
     lag: LagReports,
-    placements: Mapping[PartitionId, _Placement],
+    loads: _Loads,
 ) -> None:
     live_standbys = [n for n in placement.standbys if n in alive]
+    loads.moving(placement)
     if live_standbys:
 
         def lag_of(node: str) -> tuple[int, str]:
@@ -133,76 +179,91 @@ def _promote(
 
         chosen = min(live_standbys, key=lag_of)
         placement.standbys.remove(chosen)
+        placement.active = chosen
     else:
-        chosen = _least_loaded(alive, placements, by_actives=True)
-    placement.active = chosen
+        placement.active = loads.least_loaded(by_actives=True)  # there is a live node
+    loads.moved(placement)
 
 
 def _top_up_or_trim(
     placement: _Placement,
     wanted: int,
     alive: list[str],
-    placements: Mapping[PartitionId, _Placement],
+    loads: _Loads,
 ) -> None:
     while len(placement.standbys) > wanted:
         # Only live nodes' standbys go: a node in its grace period keeps what it had.
         removable = [n for n in placement.standbys if n in alive]
         if not removable:
             break
-        loads = _loads(placements, removable)
-        placement.standbys.remove(max(removable, key=lambda n: (loads[n][1], n)))
+        counted = loads.of(removable)
+        loads.moving(placement)
+        placement.standbys.remove(max(removable, key=lambda n: (counted[n][1], n)))
+        loads.moved(placement)
 
     while len(placement.standbys) < wanted:
-        free = [n for n in alive if n not in placement.replicas()]
-        if not free:
+        chosen = loads.least_loaded(placement.replicas(), by_actives=False)
+        if chosen is None:
             return
-        placement.standbys.append(_least_loaded(free, placements, by_actives=False))
+        loads.moving(placement)
+        placement.standbys.append(chosen)
+        loads.moved(placement)
 
 
-def _balance_standbys(placements: dict[PartitionId, _Placement], alive: list[str]) -> None:
+def _balance_standbys(
+    placements: dict[PartitionId, _Placement], alive: list[str], loads: _Loads
+) -> None:
+    in_order = sorted(placements.items())
     for _ in range(len(placements) * max(1, len(alive))):  # bounded: each move narrows the gap
-        loads = _loads(placements, alive)
-        heaviest = max(alive, key=lambda n: (loads[n][1], n))
-        lightest = min(alive, key=lambda n: (loads[n][1], n))
-        if loads[heaviest][1] - loads[lightest][1] <= 1:
+        counted = loads.of(alive)
+        heaviest = max(alive, key=lambda n: (counted[n][1], n))
+        lightest = min(alive, key=lambda n: (counted[n][1], n))
+        if counted[heaviest][1] - counted[lightest][1] <= 1:
             return
-        movable = [
-            (pid, p)
-            for pid, p in sorted(placements.items())
-            if heaviest in p.standbys and lightest not in p.replicas()
-        ]
-        if not movable:
+        placement = next(
+            (p for _, p in in_order if heaviest in p.standbys and lightest not in p.replicas()),
+            None,
+        )
+        if placement is None:
             return
-        _, placement = movable[0]
+        loads.moving(placement)
         placement.standbys[placement.standbys.index(heaviest)] = lightest
+        loads.moved(placement)
 
 
 def _balance_actives(
-    placements: dict[PartitionId, _Placement], alive: list[str], lag: LagReports, caught_up_lag: int
+    placements: dict[PartitionId, _Placement],
+    alive: list[str],
+    lag: LagReports,
+    caught_up_lag: int,
+    loads: _Loads,
 ) -> None:
     """Swap active and standby roles while some swap narrows an active-count gap of 2 or more.
 
     Only onto a caught-up standby, so a partition never becomes active on a cold replica.
     """
+    in_order = sorted(placements.items())
     for _ in range(len(placements) * max(1, len(alive))):  # bounded: each swap narrows a gap
-        loads = _loads(placements, alive)
+        counted = loads.of(alive)
         best: tuple[int, str, str, _Placement] | None = None
-        for (store, partition), placement in sorted(placements.items()):
+        for (store, partition), placement in in_order:
             active = placement.active
-            if active not in loads:
+            if active not in counted:
                 continue
             for standby in placement.standbys:
                 reported = lag.get((store, partition, standby))
-                if standby not in loads or reported is None or reported > caught_up_lag:
+                if standby not in counted or reported is None or reported > caught_up_lag:
                     continue
-                gap = loads[active][0] - loads[standby][0]
+                gap = counted[active][0] - counted[standby][0]
                 if gap >= 2 and (best is None or gap > best[0]):
                     best = (gap, active, standby, placement)
         if best is None:
             return
         _, active, standby, placement = best
+        loads.moving(placement)
         placement.standbys[placement.standbys.index(standby)] = active
         placement.active = standby
+        loads.moved(placement)
 
 
 def _same(previous: Assignment, stores: Mapping[str, Mapping[int, PartitionAssignment]]) -> bool:

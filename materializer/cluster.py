@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import enum
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -43,6 +44,7 @@ from common.contract import (
     StoreInfo,
     as_text,
     decode_assignment,
+    decode_event,
     decode_node,
     decode_report,
     decode_store,
@@ -52,6 +54,9 @@ from common.contract import (
 from materializer.assignment import Member, compute_assignment
 
 log = structlog.get_logger("kroute.materializer.cluster")
+# Every write of the assignment is announced (`assignment` event); the timer reads it this
+# often in case an event was missed (and on every resubscription).
+ASSIGNMENT_POLL_S = 30.0
 
 # Renew the lease only if we still hold it; write only while we hold it (fencing).
 RENEW_LEASE = """
@@ -119,13 +124,15 @@ class ClusterMember:
     node_urls: dict[str, str] = field(default_factory=dict)
     alive_nodes: frozenset[str] = frozenset()
     _last_hosting: tuple[object, ...] = ()
+    _raw_assignment: bytes | str | None = None  # the value last decoded
+    _assignment_read_s: float = 0.0  # monotonic
 
     async def run(self) -> None:
         loops = [
             self._every(self.timing.heartbeat_ms, self.heartbeat),
             self._every(self.timing.report_interval_ms, self.report),
             self._every(self.timing.leader_interval_ms, self.lead),
-            self._every(self.timing.poll_interval_ms, self.refresh),
+            self._every(self.timing.poll_interval_ms, self.poll),
             self._listen(),
         ]
         await asyncio.gather(*loops)
@@ -243,12 +250,14 @@ class ClusterMember:
             now_ms=self.clock.now_ms(),
             leader=self.node.node_id,
         )
+        await self._forget_departed(members, assignment)
         if stored is not None and assignment == stored:
             return  # (a Redis that lost its data, stored None, gets the assignment back at once)
 
         written = await self._write(assignment)
         if written is Written.WRITTEN:
             log.info("assignment written", generation=assignment.generation)
+            self._raw_assignment = None  # its own copy: the next read decodes what is stored
             self._accept(assignment)
         elif written is Written.STALE_GENERATION:
             log.warning(
@@ -258,6 +267,37 @@ class ClusterMember:
             )
             if retry:
                 await self._assign(retry=False)
+
+    async def _forget_departed(self, members: Mapping[str, Member], assignment: Assignment) -> None:
+        """Nodes dead for longer than the grace period, and placed nowhere, leave the contract:
+        out of `nodes` and `dead_since`, their `node`, `hosting` and `lag` keys deleted, and a
+        `node` event so proxies drop them. A node that comes back registers again with its next
+        heartbeat. Without this, `nodes` keeps every id that ever registered (pods get new ones)
+        and every reader reads more each time."""
+        at = self.clock.now_ms()
+        placed = {
+            node for parts in assignment.stores.values() for p in parts.values()
+            for node in p.replicas()
+        }  # fmt: skip
+        departed = sorted(
+            m.node_id
+            for m in members.values()
+            if not m.alive
+            and m.dead_since_ms is not None
+            and at - m.dead_since_ms >= self.timing.grace_ms
+            and m.node_id not in placed
+        )
+        if not departed:
+            return
+        keys = self.keys
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.srem(keys.nodes, *departed)
+            pipe.hdel(keys.dead_since, *departed)
+            for node_id in departed:
+                pipe.delete(keys.node(node_id), keys.hosting(node_id), keys.lag(node_id))
+                pipe.publish(keys.events, encode(Event("node", node_id=node_id)))
+            await pipe.execute()
+        log.info("departed nodes forgotten", nodes=departed, grace_ms=self.timing.grace_ms)
 
     async def _stored_assignment(self) -> tuple[Assignment | None, Assignment | None]:
         """(what Redis holds, what to compute from): the stored assignment unless it is
@@ -328,8 +368,11 @@ class ClusterMember:
             for node_id, up in alive.items()
         }
         lag: dict[tuple[str, int, str], int | None] = {}
-        for node_id in node_ids:
-            reported = await self.redis.hgetall(self.keys.lag(node_id))
+        async with self.redis.pipeline(transaction=False) as pipe:  # one round trip, not N
+            for node_id in node_ids:
+                pipe.hgetall(self.keys.lag(node_id))
+            every_report = await pipe.execute() if node_ids else []
+        for node_id, reported in zip(node_ids, every_report, strict=True):
             for lag_key, raw in reported.items():
                 store_name, _, partition = as_text(lag_key).rpartition("/")
                 try:
@@ -374,9 +417,20 @@ class ClusterMember:
                 log.info("node alive again", node=node_id, dead_since_ms=known.get(node_id))
         return {n: known.get(n, at) for n, up in alive.items() if not up}
 
-    async def refresh(self) -> None:
-        """Re-read the assignment and who is alive (on a timer, and on every event)."""
-        raw = await self.redis.get(self.keys.assignment)
+    async def poll(self) -> None:
+        """The timer's refresh: who is alive every time; the assignment only every
+        ASSIGNMENT_POLL_S, since its writer announces every change with an event and it grows
+        with the table (a megabyte at 20,000 partitions, read by every node)."""
+        await self.refresh(
+            with_assignment=time.monotonic() - self._assignment_read_s >= ASSIGNMENT_POLL_S
+        )
+
+    async def refresh(self, *, with_assignment: bool = True) -> None:
+        """Re-read who is alive and (unless told not to) the assignment: on every event that
+        concerns nodes, on (re)subscribing, and on the timer (`poll`)."""
+        raw = await self.redis.get(self.keys.assignment) if with_assignment else None
+        if with_assignment:
+            self._assignment_read_s = time.monotonic()
         node_ids = sorted(as_text(n) for n in await self.redis.smembers(self.keys.nodes))
         if node_ids:
             flags = await self.redis.mget([self.keys.alive(n) for n in node_ids])
@@ -388,7 +442,7 @@ class ClusterMember:
                 n: decode_node(i).url for n, i in zip(node_ids, infos, strict=True) if i
             }
 
-        if raw is None:
+        if raw is None or raw == self._raw_assignment:
             return
         try:
             assignment = decode_assignment(raw)
@@ -397,6 +451,7 @@ class ClusterMember:
             return
         # Anything that differs, not just the number: should two different assignments ever
         # carry one generation (a writer outside this script), nodes still follow Redis.
+        self._raw_assignment = raw
         if assignment != self.assignment:
             self._accept(assignment)
 
@@ -409,8 +464,22 @@ class ClusterMember:
             try:
                 pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
                 await pubsub.subscribe(self.keys.events)
+                await self.refresh()  # what changed while it was not subscribed
                 async for message in pubsub.listen():
-                    if message.get("type") == "message":
+                    if message.get("type") == "message" and _concerns_nodes(message.get("data")):
                         await self.refresh()
             except (aioredis.RedisError, OSError):
                 await asyncio.sleep(self.timing.poll_interval_ms / 1000)
+
+
+def _concerns_nodes(raw: object) -> bool:
+    """Whether an event may change what a node acts on (the assignment, who is where).
+
+    `hosting` and `lag` events say a node's own reports changed, which only proxies read:
+    with hundreds of nodes each reading every node's keys on each of them, the nodes alone
+    would load Redis with the square of their number."""
+    try:
+        event = decode_event(raw)  # type: ignore[arg-type]
+    except (ContractError, ValueError, TypeError):
+        return True  # unreadable: re-read, as before
+    return event.type in ("assignment", "node")

@@ -1,12 +1,35 @@
-"""Keeps the routing snapshot current from Redis: pub/sub events plus a periodic poll.
+"""Keeps the routing snapshot current from Redis, reading what changed, never all at once.
 
-Every refresh reads the whole contract (two round trips), builds a new immutable snapshot off
-to the side and hands it over with one call; requests never touch Redis. When Redis cannot be
-read the last snapshot stays in use, the watcher reports itself degraded, and it keeps
-retrying on its own; the first good read clears the flag. Values that do not follow the
-contract are skipped (and logged once each), never half-applied.
+Three kinds of reads, each a pipelined round trip or two:
+- the *head* (the `nodes` and `stores` sets, every `store:<name>`, every node's `alive` key
+  in one MGET, and Redis `TIME`): every `refresh_interval_ms`, and soon after an event says
+  the assignment or the membership changed. The assignment (about 50 bytes a partition) is
+  read with it only after an `assignment` event, in a full read, and every
+  `ASSIGNMENT_READ_S`, and decoded (in a thread) only when its bytes changed;
+- a *node read* (`node:<id>`, `hosting:<id>`, `lag:<id>`): soon after an event names the node
+  (`hosting`, `node`, `lag`), and for every node once per `lag_read_interval_ms` by a sweep
+  that reads a slice of the nodes every `TICK_S`: lag reports change on every report and are
+  not announced, so the sweep is what keeps them fresh, at an even rate instead of in bursts;
+- a *full read* (the head and every node): at start, after `refresh()` is called, on
+  (re)subscribing, after a Redis error, on an event naming no node, and when a request is
+  refused by a node (`refresh_soon`); at most once per `refresh_interval_ms`.
 
-Every refresh also reads Redis `TIME` (in the same round trip), which keeps this process's
+What only the sweep brought is swapped in at most every `PUBLISH_GAP_S` (each swap makes the
+request path recompute the choices of the partitions it changed, which `RoutingSnapshot.changed`
+names); what an event named, at once. `stats` says what all this costs (logged at debug level
+every `STATS_LOG_S`), including the event loop's longest stall, from a 10 ms timer.
+
+Nothing the watcher does on the event loop grows with the table: a node's reports are decoded
+one node at a time with a yield to the loop in between, the table is kept by a
+`TableBuilder` that recomputes only the partitions an update touches (in steps of a few
+hundred partitions, yielding between them), and the new snapshot is swapped in with one
+assignment. `max_hold_ms` is the longest the watcher kept the loop in one go.
+
+When Redis cannot be read the last snapshot stays in use, the watcher reports itself degraded,
+and it keeps retrying on its own; the first good read clears the flag. Values that do not
+follow the contract are skipped (and logged once each), never half-applied.
+
+Every head read also reads Redis `TIME` (in the same round trip), which keeps this process's
 shared clock (`common.clock`) in step: the times nodes report are Redis time, and so is the
 "now" the proxy measures them against. A report stamped further in the future than
 `CLOCK_TOLERANCE_MS` comes from a writer whose clock is not the shared one (ahead: its
@@ -18,7 +41,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
-from collections.abc import Callable
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -35,17 +61,51 @@ from common.contract import (
     StoreInfo,
     as_text,
     decode_assignment,
+    decode_event,
     decode_hosting,
     decode_node,
     decode_report,
     decode_store,
 )
-from proxy.routing import EMPTY, RoutingSnapshot, build_snapshot
+from proxy.routing import EMPTY, RoutingSnapshot, TableBuilder
 
 log = structlog.get_logger("kroute.proxy.watcher")
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
-MIN_GAP_S = 0.02  # coalesce bursts of events (every node reports lag several times a second)
+MIN_GAP_S = 0.02  # coalesce bursts of events
+TICK_S = 0.1  # the sweep reads a slice of the nodes this often
+# Values per round trip of node reads: redis-py parses a pipeline's whole reply without
+# yielding (~3 µs a value without hiredis), so this bounds that stretch to about a millisecond.
+VALUES_PER_PIPELINE = 300
+PIPELINES_IN_FLIGHT = 4
+PUBLISH_GAP_S = 0.2
+# Every node's reports at least this often; with PUBLISH_GAP_S, a report is routed by within
+# about a second of being written.
+DEFAULT_LAG_READ_INTERVAL_MS = 700
+STATS_LOG_S = 2.0  # at debug level: what benchmarks read
+LOOP_PROBE_S = 0.01
+# The assignment grows with the table (a megabyte of JSON at 20,000 partitions) and changes
+# only in a rebalance, which its writer announces (`assignment` event): read on those events,
+# in every full read, and this often in case an event was lost.
+ASSIGNMENT_READ_S = 30.0  # how often the loop-lag probe asks to run
+
+
+@dataclass
+class WatcherStats:
+    """What the control plane costs this proxy (read by benchmarks and logged at debug)."""
+
+    head_reads: int = 0
+    node_reads: int = 0
+    full_reads: int = 0
+    commands: int = 0  # Redis commands sent (a pipeline counts each)
+    reply_bytes: int = 0  # the values read, an estimate of the reply bytes
+    hold_s: float = 0.0  # time spent on the loop decoding, rebuilding and swapping
+    max_hold_ms: float = 0.0  # the longest the watcher kept the event loop in one go
+    snapshots: int = 0
+    max_swap_ms: float = 0.0  # the longest `on_snapshot` took (the handler's own swap)
+    # The event loop's longest stall, whatever caused it (a request burst, the garbage
+    # collector, the table): how late a timer asking for LOOP_PROBE_S ran.
+    max_loop_lag_ms: float = 0.0
 
 
 class TableWatcher:
@@ -59,11 +119,13 @@ class TableWatcher:
         on_snapshot: Callable[[RoutingSnapshot], None] = lambda _snapshot: None,
         hold_smaller_table_ms: int = 10_000,
         clock: SharedClock = SHARED,
+        lag_read_interval_ms: int = DEFAULT_LAG_READ_INTERVAL_MS,
     ) -> None:
         self.redis = redis
         self.clock = clock  # this process's (the handler's now_ms reads the same one)
         self.keys = keys
         self.refresh_interval_s = refresh_interval_ms / 1000
+        self.lag_read_interval_s = lag_read_interval_ms / 1000
         self.networks = networks
         self.on_snapshot = on_snapshot
         self.snapshot: RoutingSnapshot = EMPTY
@@ -74,27 +136,99 @@ class TableWatcher:
         self.refreshes = 0
         self.refresh_failures = 0
         self.hold_smaller_table_ms = hold_smaller_table_ms
+        self.stats = WatcherStats()
         self._smaller_since_ms: int | None = None
         self._wake = asyncio.Event()
         self._warned: set[str] = set()
+        self._table = TableBuilder()
+        self._node_ids: list[str] = []  # the `nodes` set at the last head read
+        self._named: set[str] = set()  # nodes an event named since their last read
+        self._sweep: deque[str] = deque()
+        self._sweep_credit = 0.0  # nodes owed to the sweep (fractions carry over)
+        self._last_sweep_s = time.monotonic()
+        self._head_due = True
+        self._assignment_due = True
+        self._last_assignment_s = 0.0
+        self._full_due = False
+        self._last_head_s = 0.0
+        self._last_full_s = 0.0
+        self._placed = 0  # replicas in the last snapshot swapped in
+        self._last_swap_s = 0.0
+        self._raw_assignment: bytes | None = None
+        self._held_since_s = 0.0
 
     def refresh_soon(self) -> None:
+        """Something suggests the table is out of date (a node refused a request): read
+        everything soon (at most once per refresh interval; the head at once)."""
+        self._full_due = True
+        self._head_due = True
         self._wake.set()
 
     async def run(self) -> None:
-        await asyncio.gather(self._poll(), self._listen())
+        await asyncio.gather(self._poll(), self._listen(), self._probe_loop(), self._log_stats())
+
+    async def refresh(self) -> None:
+        """Read everything now and swap the result in (or record why not)."""
+        await self._guarded(self._read_everything)
+
+    # -- the loop ----------------------------------------------------------------------------
 
     async def _poll(self) -> None:
         while True:
             self._wake.clear()
-            await self.refresh()
+            await self._guarded(self._step)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.refresh_interval_s)
+                await asyncio.wait_for(self._wake.wait(), TICK_S)
             await asyncio.sleep(MIN_GAP_S)
 
-    async def refresh(self) -> None:
+    async def _step(self) -> None:
+        now = time.monotonic()
+        if self._full_due and now - self._last_full_s >= self.refresh_interval_s:
+            await self._read_everything()
+            return
+        if self._head_due or now - self._last_head_s >= self.refresh_interval_s:
+            await self._read_head()
+        # Something an event named (or the head) is swapped in at once; what only the sweep
+        # brought (lag reports) at most every PUBLISH_GAP_S: each swap makes the request path
+        # recompute the choices of the partitions it changed.
+        urgent = bool(self._named) or self._last_head_s >= now
+        due = self._named | set(self._sweep_slice())
+        self._named = set()
+        await self._read_nodes(sorted(due))
+        if urgent or time.monotonic() - self._last_swap_s >= PUBLISH_GAP_S:
+            await self._publish()
+
+    async def _read_everything(self) -> None:
+        self._full_due = False
+        self._last_full_s = time.monotonic()
+        self._assignment_due = True
+        await self._read_head()
+        self._named = set()
+        await self._read_nodes(self._node_ids)
+        self._sweep = deque(self._node_ids)  # every node was just read: start a new round
+        self.stats.full_reads += 1
+        await self._publish()
+
+    def _sweep_slice(self) -> list[str]:
+        """The nodes due in the round that reads every node once per lag read interval: as
+        many as the time since the last slice asks for, however long the ticks really took."""
+        now = time.monotonic()
+        elapsed, self._last_sweep_s = now - self._last_sweep_s, now
+        self._sweep_credit += len(self._node_ids) * min(elapsed, 1.0) / self.lag_read_interval_s
+        count = int(self._sweep_credit)
+        self._sweep_credit -= count
+        due = []
+        for _ in range(count):
+            if not self._sweep:
+                self._sweep = deque(self._node_ids)
+                if not self._sweep:
+                    break
+            due.append(self._sweep.popleft())
+        return due
+
+    async def _guarded(self, read: Callable[[], Any]) -> None:
         try:
-            snapshot = await self._read()
+            await read()
         except (aioredis.RedisError, OSError) as exc:
             self.refresh_failures += 1
             self.last_error = str(exc) or type(exc).__name__
@@ -105,22 +239,171 @@ class TableWatcher:
                     table_generation=self.snapshot.generation,
                 )
             self.degraded = True
+            self._full_due = True  # what changed meanwhile is unknown: read it all
+
+    # -- reading -----------------------------------------------------------------------------
+
+    async def _read_head(self) -> None:
+        keys = self.keys
+        with_assignment = self._assignment_due or (
+            time.monotonic() - self._last_assignment_s >= ASSIGNMENT_READ_S
+        )
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.smembers(keys.nodes)
+            pipe.smembers(keys.stores)
+            pipe.time()
+            if with_assignment:
+                pipe.get(keys.assignment)
+            sent = self.clock.stopwatch()
+            node_set, store_set, redis_time, *assignment_reply = await pipe.execute()
+            self.clock.observe(redis_time, sent, self.clock.stopwatch())
+        node_ids = sorted(as_text(n) for n in node_set)
+        store_names = sorted(as_text(s) for s in store_set)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            if node_ids:
+                pipe.mget([keys.alive(n) for n in node_ids])
+            for name in store_names:
+                pipe.get(keys.store(name))
+            results = await pipe.execute()
+        self._head_due = False
+        self._last_head_s = time.monotonic()
+        self._count(4 + len(store_names), node_set, store_set, assignment_reply, results)
+        alive_flags = results[0] if node_ids else []
+        self._hold()
+        stores: dict[str, StoreInfo] = {}
+        for name, raw_store in zip(store_names, results[bool(node_ids) :], strict=True):
+            info = self._decoded(decode_store, raw_store, f"store:{name}")
+            if info is not None:
+                stores[name] = info
+        table = self._table
+        table.set_stores(stores)
+        if with_assignment:
+            self._assignment_due = False
+            self._last_assignment_s = time.monotonic()
+            if assignment_reply[0] != self._raw_assignment:
+                table.set_assignment(await self._assignment(assignment_reply[0]))
+                self._raw_assignment = assignment_reply[0]
+        table.set_alive({n for n, f in zip(node_ids, alive_flags, strict=True) if f is not None})
+        for gone in set(self._node_ids) - set(node_ids):
+            table.forget_node(gone)
+        self._named |= set(node_ids) - set(self._node_ids) - set(table.nodes)
+        self._node_ids = node_ids
+        self.stats.head_reads += 1
+        await self._yield()
+
+    async def _assignment(self, raw: bytes | None) -> Any:
+        """The assignment decoded in a thread: it grows with the table (a megabyte of JSON at
+        20,000 partitions), and is read again only when its bytes change (a rebalance)."""
+        await self._yield()
+        decoded = await asyncio.to_thread(self._decoded, decode_assignment, raw, "assignment")
+        self._hold()
+        return decoded
+
+    async def _read_nodes(self, node_ids: Iterable[str]) -> None:
+        """Node reads in small pipelines, a few in flight at once: the round trips overlap
+        (the sweep keeps its pace when Redis or this host is slow to answer), while each reply
+        is still parsed and applied in stretches of about a millisecond."""
+        known = set(self._node_ids)
+        chunks = deque(self._chunks([n for n in node_ids if n in known]))
+
+        async def reader() -> None:
+            while chunks:
+                await self._read_chunk(chunks.popleft())
+
+        await asyncio.gather(*(reader() for _ in range(min(PIPELINES_IN_FLIGHT, len(chunks)))))
+
+    def _chunks(self, node_ids: list[str]) -> Iterable[list[str]]:
+        """Node ids in groups of about VALUES_PER_PIPELINE values (by their last report)."""
+        chunk: list[str] = []
+        values = 0
+        for node_id in node_ids:
+            chunk.append(node_id)
+            values += 3 + 2 * len(self._table.reports.get(node_id, ()))
+            if values >= VALUES_PER_PIPELINE:
+                yield chunk
+                chunk, values = [], 0
+        if chunk:
+            yield chunk
+
+    async def _read_chunk(self, chunk: list[str]) -> None:
+        keys = self.keys
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for node_id in chunk:
+                pipe.get(keys.node(node_id))
+                pipe.get(keys.hosting(node_id))
+                pipe.hgetall(keys.lag(node_id))
+            results = await pipe.execute()
+        at = self.clock.now_ms()  # after the reports arrived: none can be newer but by skew
+        self._hold()
+        for index, node_id in enumerate(chunk):
+            raw_node, raw_hosting, raw_lag = results[index * 3 : index * 3 + 3]
+            self._count(3, raw_node, raw_hosting, raw_lag)
+            self._apply_node(node_id, raw_node, raw_hosting, raw_lag, at)
+            self.stats.node_reads += 1
+            await self._yield()
+
+    def _apply_node(
+        self, node_id: str, raw_node: Any, raw_hosting: Any, raw_lag: dict[Any, Any], at: int
+    ) -> None:
+        info = self._decoded(decode_node, raw_node, f"node:{node_id}")
+        if info is None or not self._allowed(info):
+            self._table.set_node(node_id, None, None, {})
             return
-        if self._holding_last_table(snapshot):
+        hosting: Hosting | None = self._decoded(decode_hosting, raw_hosting, f"hosting:{node_id}")
+        reports: dict[tuple[str, int], PartitionReport] = {}
+        for raw_field, raw_report in raw_lag.items():
+            store, _, partition = as_text(raw_field).rpartition("/")
+            report = self._decoded(decode_report, raw_report, f"lag:{node_id}")
+            if report is None or self._from_the_future(node_id, report, at):
+                continue
+            if partition.isdigit():
+                reports[(store, int(partition))] = report
+        self._table.set_node(node_id, info, hosting, reports)
+
+    async def _publish(self) -> None:
+        """Recompute what changed (yielding between steps) and swap the new snapshot in."""
+        table = self._table
+        if not table.pending and self.loaded:
+            self._settle(self.snapshot.built_at_ms)
+            if self.clock.now_ms() - self.snapshot.built_at_ms >= self.refresh_interval_s * 1000:
+                confirmed = replace(self.snapshot, built_at_ms=self.clock.now_ms(), changed={})
+                self._swap(confirmed)
             return
+        self._hold()
+        for _ in table.rebuild():
+            await self._yield()
+        snapshot = table.snapshot(self.clock.now_ms())
+        placed = sum(sum(map(len, route.replicas)) for route in snapshot.stores.values())
+        if self._holding_last_table(placed):
+            await self._yield()
+            return
+        self._placed = placed
+        self._settle(snapshot.built_at_ms)
+        self._swap(snapshot)
+        await self._yield()
+
+    def _swap(self, snapshot: RoutingSnapshot) -> None:
+        self._last_swap_s = time.monotonic()
+        previous, self.snapshot = self.snapshot, snapshot
+        if previous.generation != snapshot.generation:
+            log.info("routing table changed", generation=snapshot.generation)
+        self.stats.snapshots += 1
+        started = time.perf_counter()
+        self.on_snapshot(snapshot)
+        took_ms = (time.perf_counter() - started) * 1000
+        self.stats.max_swap_ms = max(self.stats.max_swap_ms, took_ms)
+
+    def _settle(self, built_at_ms: int) -> None:
+        """A good read: clear the degraded flag and count it."""
         if self.degraded:
-            log.info("redis reachable again: table refreshed", generation=snapshot.generation)
+            log.info("redis reachable again: table refreshed", generation=self.snapshot.generation)
         self.degraded = False
         self.last_error = None
         self.loaded = True
         self.refreshes += 1
-        self.last_refresh_ms = snapshot.built_at_ms
-        previous, self.snapshot = self.snapshot, snapshot
-        if previous.generation != snapshot.generation:
-            log.info("routing table changed", generation=snapshot.generation)
-        self.on_snapshot(snapshot)
+        self.last_refresh_ms = built_at_ms
 
-    def _holding_last_table(self, snapshot: RoutingSnapshot) -> bool:
+    def _holding_last_table(self, placed: int) -> bool:
         """Whether to keep the last table because Redis now holds less than it described.
 
         A Redis restarted empty fills up again as nodes heartbeat and the leader rewrites the
@@ -129,7 +412,7 @@ class TableWatcher:
         `hold_smaller_table_ms` (a real shrink, such as a cluster down to one node that can
         no longer place standbys, is accepted after that).
         """
-        if not self.loaded or _placed(snapshot) >= _placed(self.snapshot):
+        if not self.loaded or placed >= self._placed:
             self._smaller_since_ms = None
             return False
         at = self.clock.now_ms()
@@ -137,77 +420,52 @@ class TableWatcher:
             self._smaller_since_ms = at
             log.warning(
                 "redis describes less than the last table (restarted empty?): keeping it",
-                placed_now=_placed(snapshot),
-                placed_before=_placed(self.snapshot),
+                placed_now=placed,
+                placed_before=self._placed,
                 hold_ms=self.hold_smaller_table_ms,
             )
         if at - self._smaller_since_ms < self.hold_smaller_table_ms:
             self.degraded = True
             self.last_error = "redis holds less than the last table; waiting for nodes"
             return True
-        log.warning("accepting a smaller table", placed=_placed(snapshot))
+        log.warning("accepting a smaller table", placed=placed)
         self._smaller_since_ms = None
         return False
 
-    async def _read(self) -> RoutingSnapshot:
-        keys = self.keys
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.smembers(keys.nodes)
-            pipe.smembers(keys.stores)
-            pipe.get(keys.assignment)
-            pipe.time()
-            sent = self.clock.stopwatch()
-            node_set, store_set, raw_assignment, redis_time = await pipe.execute()
-            self.clock.observe(redis_time, sent, self.clock.stopwatch())
-        node_ids = sorted(as_text(n) for n in node_set)
-        store_names = sorted(as_text(s) for s in store_set)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for node_id in node_ids:
-                pipe.get(keys.node(node_id))
-                pipe.exists(keys.alive(node_id))
-                pipe.get(keys.hosting(node_id))
-                pipe.hgetall(keys.lag(node_id))
-            for name in store_names:
-                pipe.get(keys.store(name))
-            results = await pipe.execute()
-        at = self.clock.now_ms()  # after the reports arrived: none can be newer but by skew
-        nodes: dict[str, NodeInfo] = {}
-        alive: set[str] = set()
-        hostings: dict[str, Hosting] = {}
-        reports: dict[tuple[str, str, int], PartitionReport] = {}
-        for index, node_id in enumerate(node_ids):
-            raw_node, is_alive, raw_hosting, raw_lag = results[index * 4 : index * 4 + 4]
-            info = self._decoded(decode_node, raw_node, f"node:{node_id}")
-            if info is None or not self._allowed(info):
-                continue
-            nodes[node_id] = info
-            if is_alive:
-                alive.add(node_id)
-            hosting = self._decoded(decode_hosting, raw_hosting, f"hosting:{node_id}")
-            if hosting is not None:
-                hostings[node_id] = hosting
-            for raw_field, raw_report in raw_lag.items():
-                store, _, partition = as_text(raw_field).rpartition("/")
-                report = self._decoded(decode_report, raw_report, f"lag:{node_id}")
-                if report is not None and self._from_the_future(node_id, report, at):
-                    continue
-                if report is not None and partition.isdigit():
-                    reports[(node_id, store, int(partition))] = report
-        stores: dict[str, StoreInfo] = {}
-        for name, raw_store in zip(store_names, results[len(node_ids) * 4 :], strict=True):
-            info_store = self._decoded(decode_store, raw_store, f"store:{name}")
-            if info_store is not None:
-                stores[name] = info_store
-        assignment = self._decoded(decode_assignment, raw_assignment, "assignment")
-        return build_snapshot(
-            stores=stores,
-            assignment=assignment,
-            hostings=hostings,
-            reports=reports,
-            nodes=nodes,
-            alive=frozenset(alive),
-            built_at_ms=at,
-        )
+    # -- measuring the loop time it takes ----------------------------------------------------
+
+    def _hold(self) -> None:
+        """Mark the start of a stretch on the event loop (after an await returned)."""
+        self._held_since_s = time.thread_time()
+
+    async def _yield(self) -> None:
+        """End a stretch on the loop: count it, then let requests run."""
+        held = time.thread_time() - self._held_since_s
+        self.stats.hold_s += held
+        self.stats.max_hold_ms = max(self.stats.max_hold_ms, held * 1000)
+        await asyncio.sleep(0)
+        self._hold()
+
+    def _count(self, commands: int, *replies: Any) -> None:
+        self.stats.commands += commands
+        self.stats.reply_bytes += sum(map(_size, replies))
+
+    async def _probe_loop(self) -> None:
+        while True:
+            asked = time.perf_counter()
+            await asyncio.sleep(LOOP_PROBE_S)
+            late_ms = (time.perf_counter() - asked - LOOP_PROBE_S) * 1000
+            self.stats.max_loop_lag_ms = max(self.stats.max_loop_lag_ms, late_ms)
+
+    async def _log_stats(self) -> None:
+        """Counters since start and maxima since the last line (then started again)."""
+        while True:
+            await asyncio.sleep(STATS_LOG_S)
+            log.debug("control plane", nodes=len(self._node_ids), **vars(self.stats))
+            stats = self.stats
+            stats.max_hold_ms = stats.max_swap_ms = stats.max_loop_lag_ms = 0.0
+
+    # -- checks ------------------------------------------------------------------------------
 
     def _from_the_future(self, node_id: str, report: PartitionReport, at: int) -> bool:
         """Whether a report carries a time beyond what two synced clocks can disagree by.
@@ -267,6 +525,8 @@ class TableWatcher:
             self._warned.add(token)
             log.warning(message, **fields)
 
+    # -- events ------------------------------------------------------------------------------
+
     async def _listen(self) -> None:
         while True:
             pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
@@ -276,13 +536,40 @@ class TableWatcher:
                 while True:
                     message = await pubsub.get_message(timeout=self.refresh_interval_s)
                     if message is not None and message.get("type") == "message":
-                        self.refresh_soon()
+                        self._note(message.get("data"))
             except (aioredis.RedisError, OSError):
                 await asyncio.sleep(self.refresh_interval_s)
             finally:
                 with contextlib.suppress(aioredis.RedisError, OSError):
                     await pubsub.aclose()  # type: ignore[no-untyped-call]
 
+    def _note(self, raw: Any) -> None:
+        """An event: read the node it names, or the head (assignment, membership) soon."""
+        try:
+            event = decode_event(raw)
+        except (ContractError, ValueError, TypeError):
+            self._head_due = self._assignment_due = True  # a writer we cannot read: the head
+            self._wake.set()
+            return
+        if event.type == "assignment":
+            self._head_due = self._assignment_due = True
+        elif event.node_id is not None:
+            self._named.add(event.node_id)
+            if event.type == "node" or event.node_id not in self._table.nodes:
+                self._head_due = True  # the `nodes` set may have changed
+        else:
+            # A writer of many nodes at once (a single-writer adapter) names none of them:
+            # read everything (at most once per refresh interval; the head at once).
+            self._full_due = self._head_due = True
+        self._wake.set()
 
-def _placed(snapshot: RoutingSnapshot) -> int:
-    return sum(len(replicas) for route in snapshot.stores.values() for replicas in route.replicas)
+
+def _size(reply: Any) -> int:
+    """About how many bytes a reply took on the wire (its values and their framing)."""
+    if isinstance(reply, bytes | str):
+        return len(reply) + 5
+    if isinstance(reply, dict):
+        return sum(_size(k) + _size(v) for k, v in reply.items()) + 5
+    if isinstance(reply, list | tuple | set | frozenset):
+        return sum(map(_size, reply)) + 5
+    return 5 if reply is None else len(str(reply)) + 3

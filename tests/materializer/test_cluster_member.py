@@ -370,6 +370,46 @@ def test_dead_since_is_kept_in_redis_and_cleared_when_the_node_returns(redis_ser
     assert after == {}
 
 
+def test_a_node_dead_past_its_grace_period_is_forgotten_and_registers_again(redis_server):
+    # Pods come back with new ids: without forgetting, `nodes` would keep every id that ever
+    # registered and every reader would read more each time.
+    grace_ms = 1_000
+
+    async def scenario() -> tuple[set[bytes], list[int], set[bytes], set[bytes]]:
+        cluster = Cluster(redis_server.url, grace_ms=grace_ms)
+        try:
+            a, d = cluster.add("a"), cluster.add("d")
+            for m in (a, d):
+                await m.heartbeat()
+                await m.report()
+            await a.lead()
+            await cluster.admin.delete(cluster.keys.alive("d"))  # d dies
+            await a.lead()
+            during_grace = await cluster.admin.smembers(cluster.keys.nodes)
+            await asyncio.sleep(grace_ms / 1000 + 0.3)
+            await a.lead()  # its partitions move to a ...
+            await a.lead()  # ... and, placed nowhere, it is forgotten
+            left = [
+                await cluster.admin.exists(key)
+                for key in (
+                    cluster.keys.node("d"),
+                    cluster.keys.hosting("d"),
+                    cluster.keys.lag("d"),
+                )
+            ]
+            forgotten = await cluster.admin.smembers(cluster.keys.nodes)
+            await d.heartbeat()  # it comes back
+            return during_grace, left, forgotten, await cluster.admin.smembers(cluster.keys.nodes)
+        finally:
+            await cluster.close()
+
+    during_grace, left, forgotten, back = asyncio.run(scenario())
+    assert during_grace == {b"a", b"d"}, "kept while its grace period runs"
+    assert forgotten == {b"a"}
+    assert left == [0, 0, 0], "its node, hosting and lag keys went with it"
+    assert back == {b"a", b"d"}
+
+
 # -- one clock: Redis time (issue 23, defect 2) ---------------------------------------------
 
 

@@ -1,0 +1,613 @@
+"""The control plane at scale (issue 22): one real proxy in front of a simulated cluster.
+
+Per size N nodes / P partitions (one standby per partition unless `--standbys 2`):
+- writer processes write the Redis contract for N simulated nodes at kroute nodes' rates into
+  a real redis-server: every 250 ms each node rewrites `hosting:<id>` and replaces `lag:<id>`
+  in one MULTI/EXEC (delete, HSET every hosted partition's report, PEXPIRE), and heartbeats
+  (`node:<id>`, `nodes`, `store:<name>`, `stores`, `alive:<id>` with a 2 s TTL). Every
+  partition takes 100 records a second and every replica keeps up (lag 0, caught up at the
+  time it reports), so every report differs from the last, as under steady writes;
+- one real proxy (`python -m proxy`) reads it and serves wrk's keyed GETs (random keys over
+  every partition) forwarded to three nginx backends answering a fixed small JSON;
+- propagation: the writer of the node active for partition 0 reports a lag of 1,000 for it
+  (then 0 again, every 1.5 s), and a poller asks the proxy for a key of partition 0 under
+  `x-kroute-max-lag: 10` every 5 ms: the delay from the report's EXEC to the first answer from
+  the node the new report asks for (the standby, then the active again).
+Measured per size: wrk's p50/p99/max and throughput; the proxy's longest event-loop stall (its
+watcher's loop-lag probe, 10 ms timers) and the longest stretch its table work held the loop;
+proxy CPU (all of it and the table's share); the proxy's Redis traffic (bytes on its sockets
+to Redis, from `ss`, and the commands its watcher sent); Redis CPU with and without the proxy;
+propagation p50/p99; and, for comparison, what one full re-read (the watcher before issue 22:
+every key of every node, every second and on every event) reads and costs.
+
+Results: benchmarks/results/control_plane.json and the `control_plane` section of RESULTS.md.
+
+Smoke run:  .venv/bin/python -m benchmarks.control_plane_bench --sizes 20/240,100/2000 --seconds 5
+Full sweep: .venv/bin/python -m benchmarks.control_plane_bench --seconds 30 --writers 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from multiprocessing.sharedctypes import Synchronized
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis
+
+from benchmarks.proxy_bench import _nginx_conf, cpu_seconds
+from benchmarks.results_file import git_revision, machine_notes, write_json, write_section
+from benchmarks.wrk import KEYED_SCRIPT, parse_wrk
+from common.contract import (
+    Assignment,
+    Hosting,
+    Keys,
+    NodeInfo,
+    StoreInfo,
+    as_text,
+    decode_assignment,
+    decode_hosting,
+    decode_node,
+    decode_report,
+    decode_store,
+    encode,
+)
+from kroute.embedded import EmbeddedServices, free_port, port_open
+from kroute.proxies import ProxyHandle, start_proxy
+from kroute.static_cluster import round_robin
+from partitioner import KeyPartitioner
+from proxy.routing import build_snapshot
+
+DEFAULT_SIZES = "20/240,100/2000,300/6000,1000/20000"
+STORE = "s"
+REPORT_MS = 250
+ALIVE_TTL_MS = 2_000
+RECORDS_PER_S = 100  # per partition: end offsets grow, every report differs
+PROBE_PARTITION = 0
+PROBE_LAG = 1_000
+PROBE_EVERY_S = 1.5
+KEYS = 100_000
+BODY = '{"store":"s","value":{"plan":"gold"}}'
+
+
+# -- the simulated cluster (writer processes) --------------------------------------------------
+
+
+@dataclass
+class WriterPlan:
+    redis_url: str
+    cluster: str
+    nodes: list[str]  # every node of the cluster
+    mine: list[str]  # the ones this writer reports for
+    partitions: int
+    standbys: int
+    urls: list[str]
+
+
+def _report_json(current: int, end: int, caught_up_at: int, at: int) -> bytes:
+    # The contract's encoding (sorted keys, no spaces), formatted directly: json.dumps of
+    # 240,000 reports a second would need more cores than the proxy under test.
+    return (
+        f'{{"caught_up_at_ms":{caught_up_at},"current_offset":{current},"end_offset":{end},'
+        f'"newest_record_ms":{at},"updated_at_ms":{at},"v":1}}'
+    ).encode()
+
+
+def run_writer(
+    plan: WriterPlan, stop: Any, probe_lag: Synchronized[int], written: Any, started: Any
+) -> None:
+    """Report for `plan.mine` every REPORT_MS, spread evenly over the period."""
+    client = redis.Redis.from_url(plan.redis_url, client_name="bench-writer")
+    keys = Keys(plan.cluster)
+    placed = round_robin(plan.partitions, plan.nodes, plan.standbys)
+    assignment = Assignment(1, plan.nodes[0], 0, {STORE: placed})
+    hosted = {
+        n: assignment.for_node(n).get(STORE, {"active": [], "standby": []}) for n in plan.mine
+    }
+    fields = {n: [f"{STORE}/{p}" for ps in hosted[n].values() for p in ps] for n in plan.mine}
+    urls = dict(zip(plan.nodes, plan.urls, strict=True))
+    probe_node = placed[PROBE_PARTITION].active
+    last_probe = 0
+    groups = 10
+    slices = [plan.mine[i::groups] for i in range(groups)]
+    epoch = origin = time.time()
+    started.set()
+    while not stop.is_set():
+        for index, group in enumerate(slices):
+            due = epoch + index * REPORT_MS / 1000 / groups
+            time.sleep(max(0.0, due - time.time()))
+            at = int(time.time() * 1000)
+            end = int((time.time() - origin) * RECORDS_PER_S) + 1_000
+            lag_now = probe_lag.value
+            pipe = client.pipeline(transaction=True)
+            for node_id in group:
+                _heartbeat(pipe, keys, node_id, urls[node_id], at, plan.partitions)
+                hosting = Hosting(
+                    node_id, 1, {STORE: {r: tuple(ps) for r, ps in hosted[node_id].items()}}, at
+                )
+                pipe.set(keys.hosting(node_id), encode(hosting))
+                pipe.delete(keys.lag(node_id))
+                reports = {f: _report_json(end, end, at - 5, at) for f in fields[node_id]}
+                if node_id == probe_node:
+                    reports[f"{STORE}/{PROBE_PARTITION}"] = _report_json(
+                        end - lag_now, end, at - 5 if lag_now == 0 else int(origin * 1000), at
+                    )
+                if reports:
+                    pipe.hset(keys.lag(node_id), mapping=reports)  # type: ignore[arg-type]
+                    pipe.pexpire(keys.lag(node_id), ALIVE_TTL_MS * 10)
+            pipe.execute()
+            if probe_node in group and lag_now != last_probe:
+                written.put((lag_now, time.time()))
+                last_probe = lag_now
+        epoch += REPORT_MS / 1000
+    client.close()
+
+
+def _heartbeat(pipe: Any, keys: Keys, node_id: str, url: str, at: int, partitions: int) -> None:
+    pipe.set(keys.node(node_id), encode(NodeInfo(node_id, url, at)))
+    pipe.sadd(keys.nodes, node_id)
+    pipe.set(keys.store(STORE), encode(StoreInfo(STORE, "t", partitions)))
+    pipe.sadd(keys.stores, STORE)
+    pipe.set(keys.alive(node_id), b"1", px=ALIVE_TTL_MS)
+
+
+@dataclass
+class Writers:
+    processes: list[Any]
+    stop: Any
+    probe_lag: Synchronized[int]
+    written: Any
+
+    def close(self) -> None:
+        self.stop.set()
+        for process in self.processes:
+            process.join(5)
+            if process.is_alive():
+                process.kill()
+
+
+def start_writers(
+    redis_url: str, cluster: str, size: tuple[int, int], standbys: int, count: int, urls: list[str]
+) -> Writers:
+    nodes_n, partitions = size
+    nodes = [f"node-{i:04d}" for i in range(nodes_n)]
+    context = multiprocessing.get_context("spawn")
+    stop, written = context.Event(), context.Queue()
+    probe_lag: Synchronized[int] = context.Value("i", 0)
+    node_urls = [urls[i % len(urls)] for i in range(nodes_n)]
+    processes = []
+    for index in range(count):
+        plan = WriterPlan(
+            redis_url, cluster, nodes, nodes[index::count], partitions, standbys, node_urls
+        )
+        started = context.Event()
+        process = context.Process(
+            target=run_writer, args=(plan, stop, probe_lag, written, started), daemon=True
+        )
+        process.start()
+        started.wait(30)
+        processes.append(process)
+    client = redis.Redis.from_url(redis_url)
+    placed = round_robin(partitions, nodes, standbys)
+    client.set(Keys(cluster).assignment, encode(Assignment(1, nodes[0], 0, {STORE: placed})))
+    client.close()
+    return Writers(processes, stop, probe_lag, written)
+
+
+# -- measuring ---------------------------------------------------------------------------------
+
+
+def redis_totals(client: redis.Redis) -> dict[str, float]:
+    info = client.info("all")
+    return {
+        "cpu_s": float(info["used_cpu_user"]) + float(info["used_cpu_sys"]),
+        "commands": float(info["total_commands_processed"]),
+        "net_out": float(info["total_net_output_bytes"]),
+        "net_in": float(info["total_net_input_bytes"]),
+    }
+
+
+def proxy_socket_bytes(pid: int, redis_port: int) -> tuple[int, int]:
+    """Bytes the proxy's sockets to Redis received and sent so far (kernel counters)."""
+    output = subprocess.run(
+        ["ss", "-tinpH", "state", "established", "dst", f"127.0.0.1:{redis_port}"],
+        capture_output=True, text=True, check=True, timeout=10,
+    ).stdout  # fmt: skip
+    received = sent = 0
+    for entry in re.split(r"\n(?=\S)", output):
+        if f"pid={pid}," not in entry:
+            continue
+        got = re.search(r"bytes_received:(\d+)", entry)
+        out = re.search(r"bytes_acked:(\d+)", entry)
+        received += int(got.group(1)) if got else 0
+        sent += int(out.group(1)) if out else 0
+    return received, sent
+
+
+def watcher_lines(log_path: Path, since: float, until: float) -> list[dict[str, Any]]:
+    """The proxy watcher's "control plane" debug lines logged inside [since, until]."""
+    lines = []
+    for raw in log_path.read_text(errors="replace").splitlines():
+        if '"control plane"' not in raw:
+            continue
+        try:
+            line = json.loads(raw)
+        except ValueError:
+            continue
+        stamp = line.get("timestamp", "")
+        when = time.mktime(time.strptime(stamp[:19], "%Y-%m-%dT%H:%M:%S")) - time.timezone
+        if since <= when <= until:
+            lines.append(line)
+    return lines
+
+
+def run_wrk(url: str, seconds: int, connections: int) -> dict[str, Any]:
+    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
+        script.write(KEYED_SCRIPT % (f"/stores/{STORE}/keys/customer-", KEYS - 1))
+    try:
+        output = subprocess.run(
+            ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--latency", "-s", script.name,
+             "--timeout", "10s", url],
+            capture_output=True, text=True, timeout=seconds + 60, check=True,
+        ).stdout  # fmt: skip
+    finally:
+        Path(script.name).unlink()
+    figures = parse_wrk(output)
+    latency = re.search(r"Latency\s+\S+\s+\S+\s+(\S+)", output)
+    figures["max_ms"] = _wrk_ms(latency.group(1)) if latency else None
+    return figures
+
+
+def _wrk_ms(text: str) -> float:
+    number, unit = re.fullmatch(r"([\d.]+)(us|ms|s|m)", text).groups()  # type: ignore[union-attr]
+    return round(float(number) * {"us": 0.001, "ms": 1.0, "s": 1000.0, "m": 60_000.0}[unit], 3)
+
+
+def probe_key(partitions: int) -> str:
+    partitioner = KeyPartitioner("string", "murmur2", partitions)
+    return next(
+        f"probe-{i}"
+        for i in range(1_000_000)
+        if partitioner.partition_of(f"probe-{i}") == PROBE_PARTITION
+    )
+
+
+@dataclass
+class Propagation:
+    delays_ms: list[float] = field(default_factory=list)
+    missed: int = 0
+
+
+def measure_propagation(
+    proxy: ProxyHandle, writers: Writers, nodes: list[str], partitions: int, stop: threading.Event
+) -> Propagation:
+    """Flip partition 0's active between lag 0 and PROBE_LAG; time each flip into routing."""
+    placed = round_robin(partitions, nodes, 1)[PROBE_PARTITION]
+    active, standby = placed.active, placed.standbys[0]
+    path = f"/stores/{STORE}/keys/{probe_key(partitions)}"
+    result = Propagation()
+    lag = 0
+    with httpx.Client(timeout=5, trust_env=False) as client:
+        while not stop.wait(PROBE_EVERY_S):
+            lag = PROBE_LAG if lag == 0 else 0
+            expected = standby if lag else active
+            while not writers.written.empty():  # a flip that was missed: its late record
+                writers.written.get_nowait()
+            writers.probe_lag.value = lag
+            try:
+                value, written_at = writers.written.get(timeout=5)
+            except Exception:  # noqa: BLE001 - queue.Empty: the writer fell behind
+                result.missed += 1
+                continue
+            deadline = written_at + 5
+            while time.time() < deadline:
+                answer = client.get(proxy.url + path, headers={"x-kroute-max-lag": "10"})
+                if answer.headers.get("x-kroute-node") == expected and value == lag:
+                    result.delays_ms.append(round((time.time() - written_at) * 1000, 1))
+                    break
+                time.sleep(0.005)
+            else:
+                result.missed += 1
+    return result
+
+
+def full_read(client: redis.Redis, keys: Keys) -> dict[str, float]:
+    """What one refresh of the watcher before issue 22 read, and its decode + build cost."""
+    started = time.perf_counter()
+    node_ids = sorted(as_text(n) for n in client.smembers(keys.nodes))
+    pipe = client.pipeline(transaction=False)
+    for node_id in node_ids:
+        pipe.get(keys.node(node_id))
+        pipe.exists(keys.alive(node_id))
+        pipe.get(keys.hosting(node_id))
+        pipe.hgetall(keys.lag(node_id))
+    results = pipe.execute()
+    raw_assignment, raw_store = client.get(keys.assignment), client.get(keys.store(STORE))
+    read_s = time.perf_counter() - started
+    started = time.perf_counter()
+    nodes, hostings, reports = {}, {}, {}
+    size = len(raw_assignment or b"") + len(raw_store or b"")
+    for index, node_id in enumerate(node_ids):
+        raw_node, _alive, raw_hosting, raw_lag = results[index * 4 : index * 4 + 4]
+        size += len(raw_node or b"") + len(raw_hosting or b"")
+        nodes[node_id] = decode_node(raw_node)
+        hostings[node_id] = decode_hosting(raw_hosting)
+        for name, value in raw_lag.items():
+            size += len(name) + len(value)
+            store, _, partition = as_text(name).rpartition("/")
+            reports[(node_id, store, int(partition))] = decode_report(value)
+    build_snapshot(
+        stores={STORE: decode_store(raw_store or b"")},
+        assignment=decode_assignment(raw_assignment or b""),
+        hostings=hostings,
+        reports=reports,
+        nodes=nodes,
+        alive=frozenset(node_ids),
+        built_at_ms=0,
+    )
+    return {
+        "bytes": size,
+        "commands": 4 + 4 * len(node_ids),
+        "read_ms": round(read_s * 1000, 1),
+        "decode_and_build_ms": round((time.perf_counter() - started) * 1000, 1),
+    }
+
+
+# -- one size ------------------------------------------------------------------------------------
+
+
+def measure_size(
+    services: EmbeddedServices,
+    redis_url: str,
+    redis_port: int,
+    backends: list[str],
+    size: tuple[int, int],
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    nodes_n, partitions = size
+    cluster = f"cp-{nodes_n}-{partitions}"
+    client = redis.Redis.from_url(redis_url, client_name="bench-main")
+    say(f"{nodes_n} nodes / {partitions} partitions: starting {args.writers} writers")
+    writers = start_writers(redis_url, cluster, size, args.standbys, args.writers, backends)
+    try:
+        time.sleep(2)
+        baseline_read = full_read(client, Keys(cluster))
+        before = redis_totals(client)
+        time.sleep(args.quiet_seconds)
+        after = redis_totals(client)
+        writers_only = {k: (after[k] - before[k]) / args.quiet_seconds for k in after}
+        proxy = start_proxy(
+            services, redis_url, name=f"proxy-{cluster}", cluster=cluster, max_lag="1000",
+            max_lag_ms="60000", log_level="debug", timeout_s=120,
+        )  # fmt: skip
+        try:
+            time.sleep(args.warmup_seconds)
+            figures = measure_window(proxy, writers, client, redis_port, size, args)
+        finally:
+            proxy.process.stop()
+            proxy.close()
+    finally:
+        writers.close()
+        client.close()
+    figures["full_reread"] = baseline_read
+    figures["load_average_1m"] = round(os.getloadavg()[0], 1)  # other work on the machine
+    figures["redis_writers_only"] = {
+        "cpu_percent": round(writers_only["cpu_s"] * 100, 1),
+        "commands_per_s": round(writers_only["commands"]),
+    }
+    figures["redis_cpu_percent_for_the_proxy"] = max(
+        0.0,
+        round(figures["redis"]["cpu_percent"] - figures["redis_writers_only"]["cpu_percent"], 1),
+    )  # the difference of two noisy figures: 0 means below what this can tell
+    per_proxy = figures["proxy_redis"]["received_bytes_per_s"]
+    figures["full_reread_bytes_per_s"] = baseline_read["bytes"]  # at least once a second
+    figures["traffic_below_full_reread_x"] = (
+        round(baseline_read["bytes"] / per_proxy, 1) if per_proxy else None
+    )
+    return figures
+
+
+def measure_window(
+    proxy: ProxyHandle,
+    writers: Writers,
+    client: redis.Redis,
+    redis_port: int,
+    size: tuple[int, int],
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    pid = proxy.process.pid
+    nodes = [f"node-{i:04d}" for i in range(size[0])]
+    stop = threading.Event()
+    propagation: list[Propagation] = []
+    prober = threading.Thread(
+        target=lambda: propagation.append(
+            measure_propagation(proxy, writers, nodes, size[1], stop)
+        ),
+        daemon=True,
+    )
+    started = time.time()
+    cpu_before, redis_before = cpu_seconds(pid), redis_totals(client)
+    bytes_before = proxy_socket_bytes(pid, redis_port)
+    prober.start()
+    load = run_wrk(proxy.url, args.seconds, args.connections)
+    stop.set()
+    prober.join(15)
+    elapsed = time.time() - started
+    cpu_used = cpu_seconds(pid) - cpu_before
+    redis_after = redis_totals(client)
+    received, sent = (
+        b - a for a, b in zip(bytes_before, proxy_socket_bytes(pid, redis_port), strict=True)
+    )
+    time.sleep(2.5)  # the watcher's last line for the window
+    lines = watcher_lines(proxy.process.log_path, started, time.time())
+    first, last = (lines[0], lines[-1]) if lines else ({}, {})
+
+    def delta(name: str) -> float:
+        return float(last.get(name, 0)) - float(first.get(name, 0))
+
+    span = max(len(lines) - 1, 1) * 2.0
+    delays = sorted(propagation[0].delays_ms) if propagation else []
+    return {
+        "load": load,
+        "loop_stall_max_ms": round(max((line["max_loop_lag_ms"] for line in lines), default=0), 2),
+        "table_hold_max_ms": round(max((line["max_hold_ms"] for line in lines), default=0), 2),
+        "snapshot_swap_max_ms": round(max((line["max_swap_ms"] for line in lines), default=0), 2),
+        "proxy_cpu_percent": round(cpu_used / elapsed * 100, 1),
+        "proxy_table_cpu_percent": round(delta("hold_s") / span * 100, 2),
+        "proxy_redis": {
+            "received_bytes_per_s": round(received / elapsed),
+            "sent_bytes_per_s": round(sent / elapsed),
+            "commands_per_s": round(delta("commands") / span, 1),
+            "node_reads_per_s": round(delta("node_reads") / span, 1),
+        },
+        "redis": {
+            "cpu_percent": round((redis_after["cpu_s"] - redis_before["cpu_s"]) / elapsed * 100, 1),
+            "commands_per_s": round((redis_after["commands"] - redis_before["commands"]) / elapsed),
+        },
+        "propagation_ms": {
+            "samples": len(delays),
+            "missed": propagation[0].missed if propagation else None,
+            "p50": percentile(delays, 0.5),
+            "p99": percentile(delays, 0.99),
+            "max": delays[-1] if delays else None,
+        },
+    }
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def say(message: str) -> None:
+    print(f"[control-plane] {message}", file=sys.stderr, flush=True)
+
+
+# -- report --------------------------------------------------------------------------------------
+
+
+def markdown(data: dict[str, Any]) -> str:
+    rows = []
+    for name, f in data["sizes"].items():
+        load, prop, traffic = f["load"], f["propagation_ms"], f["proxy_redis"]
+        rows.append(
+            f"| {name} | {load['rps']:,} | {load['p50_ms']} | {load['p99_ms']} | {load['max_ms']} "
+            f"| {f['loop_stall_max_ms']} | {f['table_hold_max_ms']} | {f['proxy_cpu_percent']} "
+            f"| {f['proxy_table_cpu_percent']} | {traffic['commands_per_s']:,} "
+            f"| {traffic['received_bytes_per_s']:,} | {f['full_reread']['bytes']:,} "
+            f"| {f['redis']['cpu_percent']} ({f['redis_cpu_percent_for_the_proxy']}) "
+            f"| {prop['p50']} / {prop['p99']} ({prop['samples']}) "
+            f"| {f['full_reread']['decode_and_build_ms']} |"
+        )
+    return "\n".join(
+        [
+            "## Control plane at scale (issue 22)",
+            "",
+            f"`{data['command']}` at {data['revision']}; {data['machine']}; the machine's "
+            "1-minute load average after each size: "
+            + ", ".join(f"{f['load_average_1m']}" for f in data["sizes"].values())
+            + " (above the core count, every figure here is stretched by other work).",
+            "",
+            "| nodes/partitions | req/s | p50 ms | p99 ms | max ms | loop stall max ms "
+            "| table hold max ms | proxy CPU % | table CPU % | proxy Redis cmd/s "
+            "| proxy Redis B/s in | one full re-read B | Redis CPU % (proxy's) "
+            "| propagation p50/p99 ms (samples) | old refresh on the loop ms |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            *rows,
+            "",
+            data["projection"],
+        ]
+    )
+
+
+def projection(sizes: dict[str, Any]) -> str:
+    """What 100 proxies would ask of Redis, from the largest size measured."""
+    name, f = list(sizes.items())[-1]
+    per_proxy_cpu = f["redis_cpu_percent_for_the_proxy"]
+    writers_cpu = f["redis_writers_only"]["cpu_percent"]
+    traffic = f["proxy_redis"]["received_bytes_per_s"]
+    commands = f["proxy_redis"]["commands_per_s"]
+    return (
+        f"Projection for 100 proxies at {name}: each proxy's Redis load is what it reads "
+        f"(the sweep and the head reads), independent of the others, so 100 proxies ask "
+        f"about {commands * 100:,.0f} commands/s and {traffic * 100 / 1e6:,.1f} MB/s of "
+        f"replies, and Redis CPU would be about {writers_cpu}% (the nodes' writes) + 100 x "
+        f"{per_proxy_cpu}% (one proxy's reads) = {writers_cpu + 100 * per_proxy_cpu:,.0f}% of "
+        "a core, measured on this machine. A single Redis core saturates near 100%: beyond "
+        "that, read replicas (proxies can already read one) divide the proxies' share."
+    )
+
+
+def parse_sizes(text: str) -> list[tuple[int, int]]:
+    sizes = []
+    for item in text.split(","):
+        nodes, _, partitions = item.partition("/")
+        sizes.append((int(nodes), int(partitions)))
+    return sizes
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", type=parse_sizes, default=parse_sizes(DEFAULT_SIZES))
+    parser.add_argument("--seconds", type=int, default=30, help="load per size")
+    parser.add_argument("--warmup-seconds", type=float, default=5)
+    parser.add_argument("--quiet-seconds", type=float, default=3, help="writers alone")
+    parser.add_argument("--connections", type=int, default=50)
+    parser.add_argument("--standbys", type=int, default=1, choices=(1, 2))
+    parser.add_argument("--writers", type=int, default=2, help="writer processes")
+    args = parser.parse_args()
+    workdir = Path(tempfile.mkdtemp(prefix="kroute-control-plane-"))
+    sizes: dict[str, Any] = {}
+    with EmbeddedServices(workdir) as services:
+        redis_server = services.start_redis()
+        ports = [free_port() for _ in range(3)]
+        servers = "\n".join(
+            f"server {{ listen 127.0.0.1:{port}; location / {{ default_type application/json; "
+            f"return 200 '{BODY}'; }} }}"
+            for port in ports
+        )
+        nginx_dir = workdir / "backends"  # its temp folders (one is named proxy) kept apart
+        nginx_dir.mkdir()
+        (nginx_dir / "nginx.conf").write_text(_nginx_conf(nginx_dir, servers))
+        nginx = services.start_process(
+            "backends", ["nginx", "-p", str(nginx_dir), "-c", str(nginx_dir / "nginx.conf")]
+        )
+        services.await_ready(nginx, lambda: port_open(ports[0], 0.2), 10)
+        backends = [f"http://127.0.0.1:{port}" for port in ports]
+        for size in args.sizes:
+            name = f"{size[0]}/{size[1]}"
+            sizes[name] = measure_size(
+                services, redis_server.url, redis_server.port, backends, size, args
+            )
+            say(f"{name}: {json.dumps(sizes[name])}")
+    command = "python -m benchmarks.control_plane_bench " + " ".join(sys.argv[1:])
+    data = {
+        "command": command.strip(),
+        "revision": git_revision(),
+        "machine": machine_notes(),
+        "standbys": args.standbys,
+        "sizes": sizes,
+        "projection": projection(sizes),
+    }
+    shutil.rmtree(workdir, ignore_errors=True)  # kept only when a run fails, for its logs
+    write_json("control_plane", data)
+    write_section("control_plane", markdown(data))
+    print(markdown(data))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
