@@ -14,7 +14,7 @@ here, which computes and caches it.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -103,16 +103,23 @@ class RequestHandler:
     # -- table and health changes (from the watcher and the ejections) -------------------------
 
     def use_snapshot(self, snapshot: RoutingSnapshot) -> None:
-        targets = {}
-        for node_id, url in snapshot.node_urls.items():
-            parts = urlsplit(url)
-            assert parts.hostname is not None  # the watcher admits http://host:port only
-            assert parts.port is not None
-            targets[node_id] = Target.build(node_id, url, parts.hostname, parts.port)
-        self._targets = targets
-        self._plain = {node_id: self._candidate(target) for node_id, target in targets.items()}
+        """Swap in a new table. Its cost follows what changed: targets are rebuilt only when a
+        node's URL did, and when the stores are the same only the cached choices of the
+        partitions the snapshot names as changed are forgotten (in place: the C path keeps
+        serving the others from its cache)."""
+        previous = self.snapshot
+        urls_changed = snapshot.node_urls is not previous.node_urls or not self._targets
+        if urls_changed:
+            self._use_targets(snapshot.node_urls)
         self.snapshot = snapshot
         self.hub.clock_offset_ms = SHARED.wall_offset_ms()  # the C path reads the wall clock
+        changed = snapshot.changed
+        if not urls_changed and changed is not None and _same_stores(previous, snapshot):
+            for name, partitions in changed.items():
+                cache = self._choices[name]
+                for partition in partitions:
+                    cache[partition] = None
+            return
         stores = snapshot.stores
         self._choices = {name: [None] * store.info.partitions for name, store in stores.items()}
         routes = self.routes.routes
@@ -126,6 +133,16 @@ class RequestHandler:
                 for name, store in stores.items()
             ]
         )
+
+    def _use_targets(self, node_urls: Mapping[str, str]) -> None:
+        targets = {}
+        for node_id, url in node_urls.items():
+            parts = urlsplit(url)
+            assert parts.hostname is not None  # the watcher admits http://host:port only
+            assert parts.port is not None
+            targets[node_id] = Target.build(node_id, url, parts.hostname, parts.port)
+        self._targets = targets
+        self._plain = {node_id: self._candidate(target) for node_id, target in targets.items()}
 
     def forget_choices(self) -> None:
         for cache in self._choices.values():
@@ -304,6 +321,13 @@ class RequestHandler:
             )
             cache[partition] = Cached(choice, candidates, expires, choice.spread_width)
         return choice, candidates
+
+
+def _same_stores(previous: RoutingSnapshot, snapshot: RoutingSnapshot) -> bool:
+    """Whether both tables have the same stores, described alike (so the same caches)."""
+    if previous.stores.keys() != snapshot.stores.keys():
+        return False
+    return all(route.info == previous.stores[name].info for name, route in snapshot.stores.items())
 
 
 def _header_reader(request: ClientRequest) -> Callable[[str], str | None]:

@@ -138,6 +138,7 @@ class TableWatcher:
         self.hold_smaller_table_ms = hold_smaller_table_ms
         self.stats = WatcherStats()
         self._smaller_since_ms: int | None = None
+        self._changes_dropped = False  # a built snapshot was held back (see _publish)
         self._wake = asyncio.Event()
         self._warned: set[str] = set()
         self._table = TableBuilder()
@@ -375,6 +376,9 @@ class TableWatcher:
         snapshot = table.snapshot(self.clock.now_ms())
         placed = sum(sum(map(len, route.replicas)) for route in snapshot.stores.values())
         if self._holding_last_table(placed):
+            # This snapshot's changes are dropped with it: the next one swapped in must say
+            # that any partition may have changed, or a cache of choices would miss them.
+            self._changes_dropped = True
             await self._yield()
             return
         self._placed = placed
@@ -383,6 +387,9 @@ class TableWatcher:
         await self._yield()
 
     def _swap(self, snapshot: RoutingSnapshot) -> None:
+        if self._changes_dropped:
+            snapshot = replace(snapshot, changed=None)
+            self._changes_dropped = False
         self._last_swap_s = time.monotonic()
         previous, self.snapshot = self.snapshot, snapshot
         if previous.generation != snapshot.generation:
