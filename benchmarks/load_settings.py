@@ -66,6 +66,11 @@ class LoadSettings(EnvSettings):
     def path(self, key: str) -> str:
         return self.load_path.format(key=quote(key, safe=""), store=self.load_store)
 
+    def missing_key(self, rng: random.Random) -> str:
+        """A key of the same shape that does not exist: a number past KROUTE_LOAD_CUSTOMERS, so
+        a typed service (int, uuid keys) answers 404, not 400."""
+        return self.load_key_template.format(n=self.load_customers + 1 + rng.randrange(10**9))
+
     def keys(self, rng: random.Random) -> Iterator[str]:
         """Keys without end, drawn as configured."""
         ranks = range(1, self.load_customers + 1)

@@ -65,7 +65,7 @@ class CheckoutUser(FastHttpUser):
 
     @task(1)
     def miss(self) -> None:
-        self._get(f"nobody-{random.randrange(10**9)}", "miss")
+        self._get(SETTINGS.missing_key(random.Random()), "miss")
 
     @task(1)
     def fresh_lookup(self) -> None:

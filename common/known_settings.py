@@ -142,13 +142,21 @@ class UnknownVariable:
     closest: str | None  # the known name it most likely meant
 
 
+# Old names still read, with a warning, by the components that used them.
+DEPRECATED_VARIABLES: frozenset[str] = frozenset({"KROUTE_PARTITIONS"})
+
+
 def unknown_variables(
     environ: Mapping[str, str], known: Iterable[str] = KNOWN_VARIABLES
 ) -> list[UnknownVariable]:
     """Each KROUTE_* name in the environment that nothing reads, with the closest known one."""
     names = sorted(set(known))
+    # A deprecated name is known (it is still read) but never the name to suggest.
+    suggested = [name for name in names if name not in DEPRECATED_VARIABLES]
     return [
-        UnknownVariable(variable, next(iter(difflib.get_close_matches(variable, names, 1)), None))
+        UnknownVariable(
+            variable, next(iter(difflib.get_close_matches(variable, suggested, 1)), None)
+        )
         for variable in sorted(environ)
         if variable.startswith(ENV_PREFIX) and variable not in names
     ]

@@ -24,7 +24,7 @@ from common.clock import SHARED, now_ms
 from common.contract import Assignment, Hosting, Keys, NodeInfo, PartitionReport, StoreInfo
 from common.java import JavaRuntime
 from materializer.cluster import ClusterMember, ClusterTiming
-from materializer.forwarding import Forwarder
+from materializer.forwarding import Forwarder, answer_limit
 from materializer.lag import LagTracker
 from materializer.pipeline import Pipeline, QueryPlan, Stall, create_spark_session, find_stalls
 from materializer.server import NodeApp, NodeState
@@ -411,7 +411,9 @@ class Node:
             socket_connect_timeout=1.0,
             health_check_interval=5,
         )
-        self.state.forwarder = Forwarder(settings.node_id)
+        self.state.forwarder = Forwarder(
+            settings.node_id, max_body_bytes=answer_limit(settings.max_value_bytes)
+        )
         self.state.owner_of = self._owner_url
         self.cluster = ClusterMember(
             redis=redis,

@@ -2,7 +2,10 @@
 
     GET /stores/{store}/keys/{key}   200 value + where it came from, 404 absent key or store,
                                      400 malformed key, 421 a partition this node does not host
-                                     or freshness it cannot give (materializer.read_bounds)
+                                     or freshness it cannot give (materializer.read_bounds);
+                                     in a cluster, forwarded once to the partition's owner:
+                                     503 owner_unreachable, 502 owner_bad_answer (too large,
+                                     a redirect or 101: materializer.forwarding)
     GET /metadata                    hosted partitions: offsets, end offsets, lag, newest record;
                                      the pipeline: last batch applied, errors, stalls and why
     GET /metrics                     Prometheus text: batch times, records, skips, lag, stalls
@@ -33,7 +36,13 @@ from common.freshness import (
     position_token,
     reached,
 )
-from materializer.forwarding import FORWARDED_BY, Forwarder, OwnerUnreachable
+from materializer.forwarding import (
+    FORWARDED_BY,
+    Forwarded,
+    Forwarder,
+    OwnerBadAnswer,
+    OwnerUnreachable,
+)
 from materializer.lag import LagTracker
 from materializer.metrics import NodeMetrics
 from materializer.pipeline import Stall
@@ -244,15 +253,21 @@ class NodeApp:
         if already_forwarded or owner is None or state.forwarder is None:
             return False
         state.forwarded += 1
+        where = {"partition": partition, "owner": owner}
+        marked = [(FORWARDED_BY.encode(), state.node_id.encode())]
         try:
             bounds = freshness_headers(headers)  # the owner checks them: see Forwarder.forward
             result = await state.forwarder.forward(owner, path.decode("ascii"), bounds)
         except OwnerUnreachable as exc:
-            reason = str(exc) or type(exc).__name__
-            payload = {"error": "owner_unreachable", "partition": partition, "owner": owner}
-            await _respond(send, 503, {**payload, "detail": reason})
+            payload = {"error": "owner_unreachable", **where, "detail": str(exc)}
+            await _respond(send, 503, payload, marked)
             return True
-        await _respond_raw(send, result.status, result.body, result.headers)
+        except OwnerBadAnswer as exc:  # passing it on would be worse than saying so
+            await _respond(
+                send, 502, {"error": "owner_bad_answer", **where, "detail": str(exc)}, marked
+            )
+            return True
+        await _respond_forwarded(send, result)
         return True
 
     def _metadata(self) -> dict[str, Any]:
@@ -441,6 +456,17 @@ async def _respond_raw(
         }
     )
     await send({"type": "http.response.body", "body": body})
+
+
+async def _respond_forwarded(send: Send, result: Forwarded) -> None:
+    """The owner's answer with its own content type (a node's is JSON) and encoding."""
+    typed = any(name == b"content-type" for name, _ in result.headers)
+    headers = result.headers if typed else [_JSON, *result.headers]
+    length = (b"content-length", str(len(result.body)).encode())
+    await send(
+        {"type": "http.response.start", "status": result.status, "headers": [length, *headers]}
+    )
+    await send({"type": "http.response.body", "body": result.body})
 
 
 class _Refused(Exception):

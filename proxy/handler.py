@@ -275,14 +275,11 @@ class RequestHandler:
 
     def _request_budget(self, request: ClientRequest) -> LagBudget | None:
         """The budget tightened by the request's headers; None when it sent none."""
-        offsets = request.header(MAX_LAG_HEADER)
-        millis = request.header(MAX_LAG_MS_HEADER)
+        offsets = _strictest(request, MAX_LAG_HEADER)
+        millis = _strictest(request, MAX_LAG_MS_HEADER)
         if offsets is None and millis is None:
             return None
-        asked = LagBudget(
-            _budget_value(offsets, MAX_LAG_HEADER), _budget_value(millis, MAX_LAG_MS_HEADER)
-        )
-        return self.policy.budget.tightened(asked)
+        return self.policy.budget.tightened(LagBudget(offsets, millis))
 
     def _choice(
         self,
@@ -341,6 +338,12 @@ def _header_reader(request: ClientRequest) -> Callable[[str], str | None]:
             raise KeyRejected(f"header {name!r} is not UTF-8") from None
 
     return read
+
+
+def _strictest(request: ClientRequest, header: bytes) -> int | None:
+    """The strictest of the request's lines for `header`: a repeated budget never loosens."""
+    values = [_budget_value(value, header) for name, value in request.headers if name == header]
+    return min((v for v in values if v is not None), default=None)
 
 
 def _budget_value(raw: bytes | None, header: bytes) -> int | None:

@@ -204,6 +204,10 @@ def test_a_typo_is_reported_with_the_closest_known_name():
         "KROUTE_HOSTED_PARTITON": "KROUTE_HOSTED_PARTITIONS",
     }
     assert unknown_variables({name: "x" for name in KNOWN_VARIABLES}) == []
+    # A deprecated name is still read, so never unknown, but never the one suggested either.
+    (partition,) = unknown_variables({"KROUTE_PARTITION": "0-3"})
+    assert partition.closest is not None
+    assert partition.closest != "KROUTE_PARTITIONS"
 
 
 def test_the_report_names_unknown_and_deprecated_variables():
