@@ -14,6 +14,20 @@ keys out of 100,000 under the size's store, --timeout 10 s) drives in turn:
            -> forward over its pool, with metrics, provenance headers and limits all on
   kroute-python  the same proxy with KROUTE_HOT_PATH=false: every request through the Python
            path (what the C path in proxy/_hotpath.c saves)
+  haproxy-2t  HAProxy with two threads (nbthread 2)
+  nginx-2w    nginx with two worker processes (listen ... reuseport)
+  kroute-2w   kroute with two workers (KROUTE_WORKERS=2: two processes on the port with
+           SO_REUSEPORT under one parent, whose admin port sums their metrics)
+"kroute" is one worker (KROUTE_WORKERS=1). Issue #20's goal: kroute-2w reaches at least 1.7x
+kroute's throughput and at least haproxy-2t's, for small answers.
+
+Two workers need two cores of their own, and a load generator and backends that are not the
+bottleneck: on a machine with 4 or more cores give the proxies two cores (--proxy-cpus 0,1:
+every proxy is started under taskset on them, one-worker ones included) and wrk and the
+backends the rest (--load-cpus 2-7; the backends' nginx gets --backend-workers processes). CPU
+is counted over each proxy's whole process tree (kroute-2w: the parent and both workers; nginx:
+master and workers). Without --proxy-cpus nothing is pinned (fine for smoke runs, but on a small
+machine the two-worker rows then compete with wrk and the backends for the same cores).
 
 The backends are registered in Redis as a static cluster with three stores, bench, bench16k and
 bench1m (12 partitions, one standby each, the same three nodes), with lag reports refreshed every
@@ -41,7 +55,7 @@ compare with the figure from before issue #17, not with each other), and for 16 
 answers kroute at >= 0.8x HAProxy's throughput with a p99 no worse than HAProxy's.
 
 Usage: .venv/bin/python -m benchmarks.proxy_bench [--seconds 8] [--rounds 3] [--connections 50]
-       [--sizes small,16k,1m]
+       [--sizes small,16k,1m] [--proxy-cpus 0,1 --load-cpus 2-7] [--backend-workers 2]
 Needs wrk, haproxy and nginx (apt-get install wrk haproxy nginx-light).
 """
 
@@ -50,6 +64,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pwd
 import shutil
 import statistics
 import sys
@@ -94,6 +109,7 @@ SIZES: dict[str, tuple[str, int]] = {
 SIZE_TITLES = {"small": f"small answers ({len(BODY.encode())} B JSON)", "16k": "16 KiB answers",
                "1m": "1 MiB answers"}  # fmt: skip
 GOAL_RPS, GOAL_P99, GOAL_SMALL_DROP = 0.8, 1.0, 0.05
+GOAL_WORKERS_SCALING, GOAL_WORKERS_VS_HAPROXY = 1.7, 1.0  # issue #20, small answers
 KROUTE_COUNTERS = {  # name in the JSON -> metric line prefix (summed over labels)
     "keyed_200s": 'kroute_proxy_responses_total{kind="keyed",status="200"}',
     "hot_path": "kroute_proxy_hot_path_requests_total",
@@ -107,16 +123,50 @@ def path_prefix(size: str) -> str:
     return f"/stores/{SIZES[size][0]}/keys/customer-"
 
 
+def process_tree(pid: int) -> list[int]:
+    """The process and its live descendants (a proxy's workers, nginx's master and workers)."""
+    found, pending = [], [pid]
+    while pending:
+        current = pending.pop()
+        found.append(current)
+        try:
+            tasks = list(Path(f"/proc/{current}/task").iterdir())
+        except FileNotFoundError:
+            continue
+        for task in tasks:
+            try:
+                pending += [int(child) for child in (task / "children").read_text().split()]
+            except FileNotFoundError:
+                continue
+    return found
+
+
 def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return round(int(line.split()[1]) / 1024, 1)
-    return 0.0
+    """Resident memory of the whole process tree."""
+    total_kb = 0
+    for member in process_tree(pid):
+        for line in _read(f"/proc/{member}/status").splitlines():
+            if line.startswith("VmRSS:"):
+                total_kb += int(line.split()[1])
+    return round(total_kb / 1024, 1)
 
 
 def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime
+    """User+system time of the whole process tree (every thread of every process in it)."""
+    total = 0
+    for member in process_tree(pid):
+        stat = _read(f"/proc/{member}/stat")
+        if stat:
+            fields = stat.rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / TICKS
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return ""  # the process exited meanwhile
 
 
 def write_bodies(directory: Path) -> None:
@@ -127,7 +177,9 @@ def write_bodies(directory: Path) -> None:
             (directory / f"{size}.body").write_bytes((b"0123456789abcdef" * length)[:length])
 
 
-def nginx_backends_conf(workdir: Path, ports: list[int], bodies: Path | None = None) -> str:
+def nginx_backends_conf(
+    workdir: Path, ports: list[int], bodies: Path | None = None, workers: int = 1
+) -> str:
     """Fixed small JSON on any path; with `bodies` (see write_bodies), /stores/<store>/keys/<any
     key> of the large sizes' stores is that size's file (static: Content-Length, sendfile)."""
     files = (
@@ -145,24 +197,33 @@ def nginx_backends_conf(workdir: Path, ports: list[int], bodies: Path | None = N
         f"location / {{ default_type application/json; return 200 '{BODY}'; }} {files}}}"
         for port in ports
     )
-    return _nginx_conf(workdir, servers)
+    return _nginx_conf(workdir, servers, workers)
 
 
-def nginx_proxy_conf(workdir: Path, port: int, backends: list[int]) -> str:
+def nginx_proxy_conf(workdir: Path, port: int, backends: list[int], workers: int = 1) -> str:
+    """nginx as the proxy; with several workers each has its own listening socket
+    (reuseport), as kroute's workers do."""
     upstream = "\n".join(f"  server 127.0.0.1:{p};" for p in backends)
+    reuseport = " reuseport" if workers > 1 else ""
     return _nginx_conf(
         workdir,
         f"upstream nodes {{\n{upstream}\n  keepalive 64;\n}}\n"
-        f"server {{ listen 127.0.0.1:{port}; location / {{ proxy_pass http://nodes; "
+        f"server {{ listen 127.0.0.1:{port}{reuseport}; location / {{ proxy_pass http://nodes; "
         'proxy_http_version 1.1; proxy_set_header Connection ""; } }',
+        workers,
     )
 
 
-def _nginx_conf(workdir: Path, servers: str) -> str:
+def _nginx_conf(workdir: Path, servers: str, workers: int = 1) -> str:
+    # One worker: no master process (the measured pid is the worker). More: a master and its
+    # workers, measured as one process tree.
+    # Run as root, a master hands its workers to "nobody", who may not read this run's files.
+    user = f"user {pwd.getpwuid(os.geteuid()).pw_name};" if workers > 1 and not os.geteuid() else ""
     return f"""
 daemon off;
-master_process off;
-worker_processes 1;
+master_process {"off" if workers == 1 else "on"};
+worker_processes {workers};
+{user}
 pid {workdir}/nginx.pid;
 error_log {workdir}/error.log warn;
 events {{ worker_connections 4096; }}
@@ -179,11 +240,11 @@ http {{
 """
 
 
-def haproxy_conf(port: int, backends: list[int]) -> str:
+def haproxy_conf(port: int, backends: list[int], threads: int = 1) -> str:
     servers = "\n".join(f"  server n{i} 127.0.0.1:{p}" for i, p in enumerate(backends))
     return f"""
 global
-  nbthread 1
+  nbthread {threads}
   maxconn 8000
 defaults
   mode http
@@ -201,10 +262,15 @@ backend nodes
 """
 
 
+def pinned(command: list[str], cpus: str | None) -> list[str]:
+    """The command run on those CPUs only (taskset), or as it is."""
+    return ["taskset", "-c", cpus, *command] if cpus else command
+
+
 def start_server(
-    services: EmbeddedServices, name: str, command: list[str], port: int
+    services: EmbeddedServices, name: str, command: list[str], port: int, cpus: str | None = None
 ) -> ManagedProcess:
-    process = services.start_process(name, command)
+    process = services.start_process(name, pinned(command, cpus))
     services.await_ready(process, lambda: port_open(port, 0.2), 10)
     return process
 
@@ -300,7 +366,50 @@ def size_ratios(summary: dict[str, dict[str, Any]]) -> dict[str, float | None]:
         "kroute_vs_haproxy_p99": ratio(kroute["p99_ms"], haproxy["p99_ms"]),
         "kroute_vs_haproxy_cpu": ratio(kroute["cpu_us_per_req"], haproxy["cpu_us_per_req"]),
         "kroute_vs_python_path_rps": ratio(kroute["rps"], summary["kroute-python"]["rps"]),
+        **workers_ratios(summary),
     }
+
+
+def workers_ratios(summary: dict[str, dict[str, Any]]) -> dict[str, float | None]:
+    """Issue #20's comparisons: kroute with two workers against one, and against HAProxy with
+    two threads and nginx with two workers."""
+    two = summary["kroute-2w"]
+
+    def ratio(other: str, key: str) -> float | None:
+        base = summary[other][key]
+        return round(two[key] / base, 3) if base else None
+
+    return {
+        "kroute_2w_vs_1w_rps": ratio("kroute", "rps"),
+        "kroute_2w_vs_haproxy_2t_rps": ratio("haproxy-2t", "rps"),
+        "kroute_2w_vs_nginx_2w_rps": ratio("nginx-2w", "rps"),
+        "kroute_2w_vs_haproxy_2t_p99": ratio("haproxy-2t", "p99_ms"),
+        "kroute_2w_vs_haproxy_2t_cpu": ratio("haproxy-2t", "cpu_us_per_req"),
+    }
+
+
+def judge_workers_goal(by_size: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Issue #20: for small answers, kroute-2w >= 1.7x kroute (one worker) and >= haproxy-2t."""
+    if "small" not in by_size:
+        return {"status": "not measured", "why": "small answers not run"}
+    systems, ratios = by_size["small"]["systems"], by_size["small"]["ratios"]
+    scaling, versus = ratios["kroute_2w_vs_1w_rps"], ratios["kroute_2w_vs_haproxy_2t_rps"]
+    goal: dict[str, Any] = {"kroute_2w_vs_1w_rps": scaling, "kroute_2w_vs_haproxy_2t_rps": versus}
+    met = (
+        scaling is not None
+        and versus is not None
+        and scaling >= GOAL_WORKERS_SCALING
+        and versus >= GOAL_WORKERS_VS_HAPROXY
+    )
+    goal["status"] = "met" if met else "not met"
+    errors = [
+        name
+        for name in ("kroute", "kroute-2w", "haproxy-2t")
+        if systems[name]["non_2xx"] or systems[name]["socket_errors"]
+    ]
+    if errors:
+        goal.update(status="not judged", why="run invalid: errors from " + ", ".join(errors))
+    return goal
 
 
 def kroute_counters(proxy: Any) -> dict[str, float]:
@@ -402,7 +511,31 @@ def main() -> int:
         metavar=",".join(SIZES),
         help=f"answer sizes to measure, comma-separated, out of {','.join(SIZES)} (default all)",
     )
+    parser.add_argument(
+        "--proxy-cpus",
+        type=parse_cpus,
+        default=None,
+        metavar="0,1",
+        help="CPUs every proxy runs on (taskset -c list; default: not pinned)",
+    )
+    parser.add_argument(
+        "--load-cpus",
+        type=parse_cpus,
+        default=None,
+        metavar="2-7",
+        help="CPUs wrk and the backends run on (default: not pinned)",
+    )
+    parser.add_argument(
+        "--backend-workers",
+        type=int,
+        default=1,
+        choices=range(1, 65),
+        metavar="1-64",
+        help="nginx worker processes serving the three backends (default 1)",
+    )
     args = parser.parse_args()
+    if args.load_cpus:  # wrk is our child: it inherits this
+        os.sched_setaffinity(0, cpu_set(args.load_cpus))
     for tool in ("wrk", "haproxy", "nginx"):
         if shutil.which(tool) is None and not Path(f"/usr/sbin/{tool}").exists():
             parser.error(f"{tool} is not installed: apt-get install wrk haproxy nginx-light")
@@ -417,33 +550,25 @@ def main() -> int:
         backends_dir = workdir / "backends"
         write_bodies(backends_dir / "bodies")
         (backends_dir / "nginx.conf").write_text(
-            nginx_backends_conf(backends_dir, backend_ports, backends_dir / "bodies")
+            nginx_backends_conf(
+                backends_dir, backend_ports, backends_dir / "bodies", args.backend_workers
+            )
         )
         start_server(
             services,
             "backends",
             [nginx, "-p", str(backends_dir), "-c", str(backends_dir / "nginx.conf")],
             backend_ports[0],
+            args.load_cpus,
         )
-
-        haproxy_port = free_port()
-        (workdir / "haproxy.cfg").write_text(haproxy_conf(haproxy_port, backend_ports))
-        haproxy_process = start_server(
-            services, "haproxy", [haproxy, "-db", "-f", str(workdir / "haproxy.cfg")], haproxy_port
-        )
-
-        nginx_port = free_port()
-        nginx_dir = workdir / "nginx-proxy"
-        nginx_dir.mkdir()
-        (nginx_dir / "nginx.conf").write_text(
-            nginx_proxy_conf(nginx_dir, nginx_port, backend_ports)
-        )
-        nginx_process = start_server(
-            services,
-            "nginx-proxy",
-            [nginx, "-p", str(nginx_dir), "-c", str(nginx_dir / "nginx.conf")],
-            nginx_port,
-        )
+        haproxies = {
+            name: start_haproxy(services, haproxy, workdir, name, backend_ports, threads, args)
+            for name, threads in (("haproxy", 1), ("haproxy-2t", 2))
+        }
+        nginxes = {
+            name: start_nginx_proxy(services, nginx, workdir, name, backend_ports, workers, args)
+            for name, workers in (("nginx", 1), ("nginx-2w", 2))
+        }
 
         client = redis.Redis.from_url(redis_server.url)
         cluster = StaticCluster(
@@ -458,7 +583,7 @@ def main() -> int:
             target=keep_reports_fresh, args=(cluster, client, stop), daemon=True
         )
         refresher.start()
-        kroute, kroute_python = (
+        kroute, kroute_python, kroute_2w = (
             start_proxy(
                 services,
                 redis_server.url,
@@ -468,24 +593,34 @@ def main() -> int:
                 max_lag_ms="60000",
                 log_level="warning",
                 hot_path=hot_path,
+                workers=workers,
+                cpus=args.proxy_cpus,
             )
-            for name, hot_path in (("kroute", "true"), ("kroute-python", "false"))
+            for name, hot_path, workers in (
+                ("kroute", "true", 1),
+                ("kroute-python", "false", 1),
+                ("kroute-2w", "true", 2),
+            )
         )
 
         systems = {
             "direct": (f"http://127.0.0.1:{backend_ports[0]}", None),
-            "haproxy": (f"http://127.0.0.1:{haproxy_port}", haproxy_process.pid),
-            "nginx": (f"http://127.0.0.1:{nginx_port}", nginx_process.pid),
+            **{name: (url, process.pid) for name, (url, process) in haproxies.items()},
+            **{name: (url, process.pid) for name, (url, process) in nginxes.items()},
             "kroute": (kroute.url, kroute.process.pid),
             "kroute-python": (kroute_python.url, kroute_python.process.pid),
+            "kroute-2w": (kroute_2w.url, kroute_2w.process.pid),
         }
         answer_problems = check_answers(systems, args.sizes)
         results, counters = run_rounds(systems, kroute, args)
         stop.set()
         kroute_metrics = kroute.admin("/metrics").text
-        kroute.close()
-        kroute_python.close()
-    nginx_spills = _count_lines(nginx_dir / "error.log", "buffered to a temporary file")
+        workers_metrics = kroute_2w.admin("/metrics").text
+        for proxy in (kroute, kroute_python, kroute_2w):
+            proxy.close()
+    nginx_spills = _count_lines(
+        workdir / "nginx-proxy" / "error.log", "buffered to a temporary file"
+    )
     step_ns = partition_step_ns()
     summaries = {
         size: {name: summarize(rounds) for name, rounds in by_system.items()}
@@ -497,8 +632,64 @@ def main() -> int:
         "nginx_temp_file_spills": nginx_spills,
         "counters": counters,
         "baseline": baseline,
+        "workers_keyed_200s": metric_sum(
+            workers_metrics, 'kroute_proxy_responses_total{kind="keyed",status="200"}'
+        ),
     }
     return report(summaries, step_ns, args, kroute_metrics, extras)
+
+
+def start_haproxy(
+    services: EmbeddedServices,
+    binary: str,
+    workdir: Path,
+    name: str,
+    backends: list[int],
+    threads: int,
+    args: argparse.Namespace,
+) -> tuple[str, ManagedProcess]:
+    port = free_port()
+    config = workdir / f"{name}.cfg"
+    config.write_text(haproxy_conf(port, backends, threads))
+    command = [binary, "-db", "-f", str(config)]
+    return f"http://127.0.0.1:{port}", start_server(services, name, command, port, args.proxy_cpus)
+
+
+def start_nginx_proxy(
+    services: EmbeddedServices,
+    binary: str,
+    workdir: Path,
+    name: str,
+    backends: list[int],
+    workers: int,
+    args: argparse.Namespace,
+) -> tuple[str, ManagedProcess]:
+    port = free_port()
+    directory = workdir / ("nginx-proxy" if workers == 1 else f"{name}-proxy")
+    directory.mkdir()
+    (directory / "nginx.conf").write_text(nginx_proxy_conf(directory, port, backends, workers))
+    command = [binary, "-p", str(directory), "-c", str(directory / "nginx.conf")]
+    return f"http://127.0.0.1:{port}", start_server(services, name, command, port, args.proxy_cpus)
+
+
+def parse_cpus(text: str) -> str:
+    """A taskset CPU list such as 0,1 or 2-7 (checked, returned as given)."""
+    try:
+        cpus = cpu_set(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a CPU list such as 0,1 or 2-7") from None
+    unknown = cpus - os.sched_getaffinity(0)
+    if not cpus or unknown:
+        raise argparse.ArgumentTypeError(f"CPUs {sorted(unknown)} are not available here")
+    return text
+
+
+def cpu_set(text: str) -> set[int]:
+    cpus: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.strip().partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
 
 
 def _count_lines(path: Path, text: str) -> int:
@@ -597,7 +788,11 @@ def size_table(size: str, summary: dict[str, dict[str, Any]], ratios: dict[str, 
         f"**{ratios['kroute_vs_haproxy_p99']}**, CPU/request "
         f"**{ratios['kroute_vs_haproxy_cpu']}**; kroute/nginx throughput "
         f"**{ratios['kroute_vs_nginx_rps']}**; kroute/kroute-python throughput "
-        f"**{ratios['kroute_vs_python_path_rps']}**."
+        f"**{ratios['kroute_vs_python_path_rps']}**. Two workers: kroute-2w/kroute throughput "
+        f"**{ratios['kroute_2w_vs_1w_rps']}**; kroute-2w/haproxy-2t throughput "
+        f"**{ratios['kroute_2w_vs_haproxy_2t_rps']}**, p99 **{ratios['kroute_2w_vs_haproxy_2t_p99']}**"
+        f", CPU/request **{ratios['kroute_2w_vs_haproxy_2t_cpu']}**; kroute-2w/nginx-2w throughput "
+        f"**{ratios['kroute_2w_vs_nginx_2w_rps']}**."
     )
     columns = (
         "system | requests/s | MiB/s | p50 ms | p99 ms | CPU µs/request | CPU µs/MiB | RSS MB "
@@ -630,11 +825,15 @@ def report(
         for size, summary in summaries.items()
     }
     goals = judge_goals(by_size, baseline)
+    workers_goal = judge_workers_goal(by_size)
     small_cpu = summaries["small"]["kroute"]["cpu_us_per_req"] if "small" in summaries else None
     share = step_ns / 1000 / small_cpu if small_cpu else None
     command = (
         f".venv/bin/python -m benchmarks.proxy_bench --seconds {args.seconds} "
         f"--rounds {args.rounds} --connections {args.connections} --sizes {','.join(args.sizes)}"
+        f" --backend-workers {args.backend_workers}"
+        + (f" --proxy-cpus {args.proxy_cpus}" if args.proxy_cpus else "")
+        + (f" --load-cpus {args.load_cpus}" if args.load_cpus else "")
     )
     invalid = [
         f"{name} at {size}: {s['non_2xx']} non-2xx, {s['socket_errors']} socket errors "
@@ -653,6 +852,10 @@ def report(
         **({k: by_size["small"][k] for k in ("systems", "ratios")} if "small" in by_size else {}),
         "by_size": by_size,
         "goals": goals,
+        "workers_goal": workers_goal,
+        "pinning": {"proxy_cpus": args.proxy_cpus, "load_cpus": args.load_cpus},
+        "backend_workers": args.backend_workers,
+        "kroute_2w_keyed_200s_one_scrape": extras["workers_keyed_200s"],
         "previous_small_kroute_vs_haproxy_rps": baseline["rps_ratio"],
         "previous_small_revision": baseline["revision"],
         "previous_small_command": baseline["command"],
@@ -695,25 +898,28 @@ def report(
         "file of 16,384 or 1,048,576 bytes by store) behind each proxy; wrk, 1 thread, "
         f"{args.connections} connections, --timeout {WRK_TIMEOUT_S} s, random keys out of "
         f"{KEYS:,} under the size's store; medians of {args.rounds} interleaved rounds of "
-        f"{args.seconds} s per size and system. HAProxy: one thread, round robin. nginx: one "
-        "worker, round robin, default proxy buffering. kroute: every feature on (murmur2 "
-        "routing, replica choice under a lag budget of 1,000 offsets / 60 s, provenance "
-        "headers, metrics, limits). CPU is the proxy process's user+system time, per request "
-        "and per MiB of answer bodies (2xx requests x body size); MiB/s is wrk's transfer rate "
-        f"(heads included). {validity}"
+        f"{args.seconds} s per size and system. HAProxy: one thread (haproxy-2t: nbthread 2), "
+        "round robin. nginx: one worker (nginx-2w: two, listen reuseport), round robin, default "
+        "proxy buffering. kroute: one process (kroute-2w: KROUTE_WORKERS=2), every feature on "
+        "(murmur2 routing, replica choice under a lag budget of 1,000 offsets / 60 s, "
+        "provenance headers, metrics, limits). CPU is the user+system time of the proxy's "
+        "process tree, per request and per MiB of answer bodies (2xx requests x body size); "
+        f"MiB/s is wrk's transfer rate (heads included). {pinning(args)} {validity}"
     )
     kroute_notes = (
         f"Share of kroute's keyed 200s served by the C path (proxy/_hotpath.c): {c_path}; "
         f"answers streamed past kroute's buffer: {streamed}. nginx (proxy) logged "
         f"{extras['nginx_temp_file_spills']} answers buffered to a temporary file. {partition}"
     )
-    markdown = f"""## Proxy: kroute vs HAProxy vs nginx (issues #5, #17)
+    markdown = f"""## Proxy: kroute vs HAProxy vs nginx (issues #5, #17, #20)
 
 {wrap(f"`{command}` — revision {data['revision']}, {data['machine']}.")}
 
 {wrap(setup)}
 
 {wrap(goals_paragraph(goals, baseline))}
+
+{wrap(workers_paragraph(workers_goal))}
 
 {tables}
 {wrap(kroute_notes)}
@@ -723,6 +929,33 @@ def report(
     if invalid:
         warn("the run is not valid: " + "; ".join(invalid))
     return 0
+
+
+def pinning(args: argparse.Namespace) -> str:
+    if not args.proxy_cpus:
+        return (
+            "Nothing was pinned: proxies, wrk and the backends shared every core, so the "
+            "two-worker and two-thread rows competed with the load for CPU."
+        )
+    return (
+        f"Every proxy ran on CPUs {args.proxy_cpus} (taskset), wrk and the backends "
+        f"({args.backend_workers} nginx worker(s)) on {args.load_cpus or 'any CPU'}."
+    )
+
+
+def workers_paragraph(goal: dict[str, Any]) -> str:
+    why = f" ({goal['why']})" if goal.get("why") else ""
+    measured = (
+        f"kroute-2w/kroute throughput {goal['kroute_2w_vs_1w_rps']}, kroute-2w/haproxy-2t "
+        f"{goal['kroute_2w_vs_haproxy_2t_rps']}"
+        if "kroute_2w_vs_1w_rps" in goal
+        else "not measured"
+    )
+    return (
+        f"Issue #20's goal (small answers): two kroute workers reach at least "
+        f"{GOAL_WORKERS_SCALING}x one worker's throughput and at least HAProxy's with two "
+        f"threads — {measured}: **{goal['status']}**{why}."
+    )
 
 
 def wrap(text: str) -> str:

@@ -40,6 +40,12 @@ SAMPLE_CUSTOMERS = tuple(customer_id(n) for n in (1, 2, 3, 7, 42))
 # The demo proxy's budget: a replica more than this far behind (in time) is not read from, so a
 # reader gets a 503 naming the reason rather than a silently stale (or missing) answer.
 DEMO_MAX_LAG_MS = 10_000
+# One proxy process (KROUTE_WORKERS=1), not one per core: here the proxy shares the machine
+# with three Spark nodes, the broker and Redis, which keep the cores busy while the proxy's C
+# path serves the demo's lookups with one core mostly idle. A second worker would buy no
+# throughput the demo asks for, cost its memory (a routing table and pools of its own) and
+# split what the failover demo shows: each worker ejects a dead node on what it saw itself.
+PRODUCT_PROXY_WORKERS = 1
 
 Say = Callable[[str], None]
 
@@ -152,6 +158,7 @@ def start_product(
         cluster=CLUSTER,
         max_lag_ms=str(DEMO_MAX_LAG_MS),
         log_level="warning",
+        workers=PRODUCT_PROXY_WORKERS,
     )
     product = Product(services, broker, redis_server, producer, nodes, proxy)
     say("kroute: waiting for the first bookings to be materialized ...")

@@ -43,6 +43,11 @@ class ProxyHandle:
         except httpx.HTTPError:
             return False
 
+    def worker_pids(self) -> list[int]:
+        """The worker processes' pids (KROUTE_WORKERS above 1; none for one process), as the
+        proxy's parent reports them (a worker being restarted: None)."""
+        return [w["pid"] for w in self.status().get("workers", []) if w["pid"] is not None]
+
     def close(self) -> None:
         self.client.close()
 
@@ -57,10 +62,17 @@ def start_proxy(
     port: int | None = None,
     admin_port: int | None = None,
     admin_host: str = "127.0.0.1",
+    workers: int = 1,
+    cpus: str | None = None,
     **settings: str,
 ) -> ProxyHandle:
     """A proxy on loopback ports (free ones unless given); settings are KROUTE_* names without
-    the prefix. The admin listener may get an address of its own (another loopback one)."""
+    the prefix. The admin listener may get an address of its own (another loopback one).
+
+    One process unless `workers` says more (KROUTE_WORKERS; the proxy's own default is one per
+    core): what a test or benchmark measures is then one proxy's behaviour, and a proxy
+    started here never competes for the cores with the services it is measured with unasked.
+    `cpus` pins the proxy (and its workers) to those CPUs (a taskset list such as 0,1)."""
     port, admin_port = port or free_port(), admin_port or free_port(admin_host)
     env = kroute_environment(
         redis_url=redis_url,
@@ -68,9 +80,13 @@ def start_proxy(
         port=str(port),
         admin_host=admin_host,
         admin_port=str(admin_port),
+        workers=str(workers),
         **settings,
     )
-    process = services.start_process(name, [sys.executable, "-m", "proxy"], env=env)
+    command = [sys.executable, "-m", "proxy"]
+    if cpus is not None:
+        command = ["taskset", "-c", cpus, *command]
+    process = services.start_process(name, command, env=env)
     handle = ProxyHandle(process, f"http://127.0.0.1:{port}", f"http://{admin_host}:{admin_port}")
     services.await_ready(process, handle.is_ready if wait_ready else handle.is_live, timeout_s)
     return handle

@@ -1,36 +1,43 @@
 """The admin listener (a port separate from the data port): liveness, readiness, Prometheus
 metrics and cluster status, served by uvicorn. With KROUTE_ADMIN_TOKEN set, everything but the
 health checks needs `Authorization: Bearer <token>` (or `?token=` for the page in a browser).
+
+What it shows comes from `AdminViews`, gathered when asked: from this process (one proxy
+process), or from every worker merged (the supervisor of KROUTE_WORKERS processes; each worker
+serves the same app on a private Unix socket: `admin_server`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+import uvicorn
+from prometheus_client import CONTENT_TYPE_LATEST
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 
+@dataclass(frozen=True)
+class AdminViews:
+    """What the admin endpoints answer, each computed when requested (never cached)."""
+
+    metrics: Callable[[], Awaitable[bytes]]  # the Prometheus text exposition
+    status: Callable[[], Awaitable[dict[str, Any]]]
+    readiness: Callable[[], Awaitable[tuple[bool, dict[str, Any]]]]
+
+
 class AdminApp:
-    def __init__(
-        self,
-        *,
-        registry: CollectorRegistry,
-        status: Callable[[], dict[str, Any]],
-        readiness: Callable[[], tuple[bool, dict[str, Any]]],
-        status_page: str,
-        token: str | None,
-    ) -> None:
-        self._registry = registry
-        self._status = status
-        self._readiness = readiness
+    def __init__(self, *, views: AdminViews, status_page: str, token: str | None) -> None:
+        self._views = views
         self._page = status_page.encode()
         self._token = token
 
@@ -45,7 +52,7 @@ class AdminApp:
             await _send(send, 200, _json({"status": "live"}))
             return
         if path == "/health/ready":
-            ready, detail = self._readiness()
+            ready, detail = await self._views.readiness()
             await _send(send, 200 if ready else 503, _json(detail))
             return
         if not self._authorized(scope):
@@ -57,9 +64,9 @@ class AdminApp:
             )
             return
         if path == "/metrics":
-            await _send(send, 200, generate_latest(self._registry), CONTENT_TYPE_LATEST.encode())
+            await _send(send, 200, await self._views.metrics(), CONTENT_TYPE_LATEST.encode())
         elif path in ("/cluster/status", "/clusterStatus"):
-            await _send(send, 200, _json(self._status()))
+            await _send(send, 200, _json(await self._views.status()))
         elif path in ("/", "/cluster"):
             await _send(send, 200, self._page, b"text/html; charset=utf-8")
         else:
@@ -97,3 +104,29 @@ async def _send(
     ]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+class _AdminServer(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield  # the proxy handles SIGINT/SIGTERM itself (the data port drains first)
+
+
+def admin_server(
+    app: AdminApp, *, host: str = "127.0.0.1", port: int = 0, uds: Path | None = None
+) -> uvicorn.Server:
+    """uvicorn serving `app` on host:port, or on the Unix socket `uds` (a worker's private
+    admin: uvicorn makes the socket world-writable, so its directory must not be)."""
+    return _AdminServer(
+        uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            uds=str(uds) if uds is not None else None,
+            http="httptools",
+            lifespan="off",
+            access_log=False,
+            log_config=None,
+            timeout_graceful_shutdown=2,
+        )
+    )

@@ -595,9 +595,18 @@ class Listener:
         self._loop = asyncio.get_running_loop()
         self.clock = time.monotonic  # the clock of the C half's deadlines too
 
-    async def start(self, host: str, port: int) -> tuple[str, int]:
+    async def start(self, host: str, port: int, *, reuse_port: bool = False) -> tuple[str, int]:
+        """Listen on host:port. With `reuse_port` (SO_REUSEPORT, one proxy worker of several)
+        the kernel spreads new connections over every process listening on the port; without
+        it a port someone else listens on is refused, so two proxies never share one by
+        mistake."""
         self._server = await self._loop.create_server(
-            lambda: ClientConnection(self), host, port, backlog=2048, reuse_address=True
+            lambda: ClientConnection(self),
+            host,
+            port,
+            backlog=2048,
+            reuse_address=True,
+            reuse_port=reuse_port,
         )
         self._sweeper = self._loop.create_task(self._sweep())
         address = self._server.sockets[0].getsockname()

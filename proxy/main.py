@@ -1,30 +1,31 @@
 """The proxy's composition root: settings → collaborators → listeners; SIGTERM → graceful stop.
 
 python -m proxy        (configured by KROUTE_* variables; see proxy/settings.py)
+
+KROUTE_WORKERS=1 runs one proxy process. More make this process the parent of that many
+workers (proxy.workers), each of them this same program started with a worker role.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import redis.asyncio as aioredis
 import structlog
-import uvicorn
 import uvloop
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 
 from common.clock import now_ms
 from common.contract import Keys
+from common.known_settings import report_unknown_variables
 from common.logging import configure_logging
-from common.settings import SettingsError, redacted_url
+from common.settings import SettingsError, help_text, redacted_url
 from proxy._hotpath import Hub
-from proxy.admin import AdminApp
+from proxy.admin import AdminApp, AdminViews, admin_server
 from proxy.choice import LagBudget
 from proxy.exchange import Exchange, ExchangeContext
 from proxy.handler import BUDGET_HEADERS, ChoicePolicy, RequestHandler
@@ -40,20 +41,18 @@ from proxy.settings import ProxySettings
 from proxy.status import cluster_status, status_page
 from proxy.upstream import UpstreamPool
 from proxy.watcher import TableWatcher
+from proxy.workers import Supervisor, WorkerRole, die_with_supervisor, worker_role
 
 log = structlog.get_logger("kroute.proxy")
 EXIT_OK, EXIT_CONFIG, EXIT_BIND = 0, 2, 3
 
 
-class _AdminServer(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield  # the proxy handles SIGINT/SIGTERM itself (the data port drains first)
-
-
 class Proxy:
-    def __init__(self, settings: ProxySettings) -> None:
+    """One proxy process: the whole proxy, or one worker of several (`worker` given)."""
+
+    def __init__(self, settings: ProxySettings, worker: WorkerRole | None = None) -> None:
         self.settings = settings
+        self.worker = worker
         self.metrics = ProxyMetrics()
         self._stop = asyncio.Event()
         self.redis = aioredis.from_url(
@@ -74,7 +73,7 @@ class Proxy:
             request_drop=tuple(sorted(DROP_FROM_REQUEST)),
             response_drop=tuple(sorted(DROP_FROM_RESPONSE)),
             python_only=BODY_HEADERS + BUDGET_HEADERS,
-            id_prefix=os.urandom(4).hex().encode(),
+            id_prefix=_request_id_prefix(worker),
             response_timeout_s=try_timeout_s,
             idle_timeout_s=settings.idle_timeout_ms / 1000,
             max_response_bytes=settings.max_response_bytes,
@@ -163,7 +162,9 @@ class Proxy:
         self.ejections.on_change = self.handler.forget_choices
         self.watcher.on_snapshot = self.handler.use_snapshot
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(MetricsCollector(self.metrics, self._gauges, self.hub.stats))
+        self.registry.register(
+            MetricsCollector(self.metrics, self._gauges, self.hub.stats, self._counts)
+        )
         self.registry.register(ReplicaLagCollector(lambda: self.watcher.snapshot, now_ms))
 
     def stop(self) -> None:
@@ -177,15 +178,34 @@ class Proxy:
             else -1.0,
             "table_generation": snapshot.generation,
             "redis_degraded": float(self.watcher.degraded),
-            "table_refresh_failures": self.watcher.refresh_failures,
             "nodes_alive": len(snapshot.alive),
             "nodes_ejected": len(self.ejections.ejected),
             "client_connections": len(self.listener.connections),
             "requests_in_flight": self.context.in_flight + self.hub.in_flight,
             "upstream_connections_idle": self.pool.idle_count(),
             "upstream_connections_busy": self.pool.busy_count(),
-            "upstream_connections_opened": self.pool.opened,
         }
+
+    def _counts(self) -> dict[str, tuple[str, float]]:
+        return {
+            "table_refresh_failures": (
+                "Routing table refreshes from Redis that failed",
+                self.watcher.refresh_failures,
+            ),
+            "upstream_connections_opened": (
+                "Connections opened to nodes",
+                self.pool.opened,
+            ),
+        }
+
+    async def _metrics_view(self) -> bytes:
+        return generate_latest(self.registry)
+
+    async def _status_view(self) -> dict[str, Any]:
+        return self._status()
+
+    async def _readiness_view(self) -> tuple[bool, dict[str, Any]]:
+        return self._readiness()
 
     def _status(self) -> dict[str, Any]:
         return cluster_status(
@@ -215,13 +235,16 @@ class Proxy:
 
     async def run(self) -> int:
         settings = self.settings
+        worker = self.worker
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, self._stop.set)
         await self.watcher.refresh()  # serve from the first table if Redis is there already
         self.pool.start()
         try:
-            host, port = await self.listener.start(settings.host, settings.port)
+            host, port = await self.listener.start(
+                settings.host, settings.port, reuse_port=worker is not None
+            )
         except OSError as exc:
             log.error(
                 "cannot listen on the data port (is it taken? set KROUTE_PORT)",
@@ -230,23 +253,18 @@ class Proxy:
                 error=exc.strerror or str(exc),
             )
             return EXIT_BIND
-        admin = _AdminServer(
-            uvicorn.Config(
-                AdminApp(
-                    registry=self.registry,
-                    status=self._status,
-                    readiness=self._readiness,
-                    status_page=status_page(),
-                    token=settings.admin_token.get_secret_value() if settings.admin_token else None,
-                ),
-                host=settings.admin_host,
-                port=settings.admin_port,
-                http="httptools",
-                lifespan="off",
-                access_log=False,
-                log_config=None,
-                timeout_graceful_shutdown=2,
-            )
+        admin_app = AdminApp(
+            views=AdminViews(self._metrics_view, self._status_view, self._readiness_view),
+            status_page=status_page(),
+            # a worker's admin is a Unix socket in a directory only the proxy's user may enter
+            token=settings.admin_token.get_secret_value()
+            if settings.admin_token and worker is None
+            else None,
+        )
+        admin = (
+            admin_server(admin_app, host=settings.admin_host, port=settings.admin_port)
+            if worker is None
+            else admin_server(admin_app, uds=worker.admin_socket)
         )
         serving_admin = asyncio.create_task(admin.serve())
         background = [
@@ -262,7 +280,10 @@ class Proxy:
         log.info(
             "proxy listening",
             data_url=f"http://{host}:{port}",
-            admin_url=f"http://{settings.admin_host}:{settings.admin_port}",
+            admin_url=f"http://{settings.admin_host}:{settings.admin_port}"
+            if worker is None
+            else f"unix:{worker.admin_socket}",
+            worker=None if worker is None else worker.index,
             cluster=settings.cluster,
             routes=[spec.path for spec in settings.route_specs()],
             table_loaded=self.watcher.loaded,
@@ -286,15 +307,41 @@ class Proxy:
         return EXIT_OK
 
 
-def main() -> int:
+def _request_id_prefix(worker: WorkerRole | None) -> bytes:
+    """Random per process, so ids from different proxies never collide; a worker's also says
+    which worker it is (`<random>.<worker>-<count>`)."""
+    prefix = os.urandom(4).hex()
+    return (prefix if worker is None else f"{prefix}.{worker.index}").encode()
+
+
+_USAGE = "python -m proxy  (configured by KROUTE_* environment variables)"
+_SUMMARY = (
+    "Run the partition-aware proxy: each keyed request goes to the node that holds its "
+    "partition (or a standby inside the lag budget)."
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args in (["--help"], ["-h"]):
+        print(help_text(ProxySettings, _USAGE, _SUMMARY), end="")
+        return EXIT_OK
     try:
         settings = ProxySettings.from_env()
     except SettingsError as exc:
         print(f"kroute proxy: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     configure_logging(settings.log_level, component="proxy")
+    worker = worker_role(args)
+    if worker is None:
+        report_unknown_variables(ProxySettings)  # once, by the parent (workers share its env)
+    else:
+        structlog.contextvars.bind_contextvars(worker=worker.index)
+        die_with_supervisor(worker)
 
-    async def run() -> int:
-        return await Proxy(settings).run()
+    async def run() -> int:  # built inside the loop: collaborators bind to the running loop
+        if worker is None and settings.workers > 1:
+            return await Supervisor(settings).run()
+        return await Proxy(settings, worker).run()
 
     return uvloop.run(run())

@@ -9,7 +9,7 @@ two up at scrape time.
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +19,9 @@ from prometheus_client.core import (
     HistogramMetricFamily,
     Metric,
 )
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
 
 from proxy._hotpath import Tally
 
@@ -84,15 +86,21 @@ class ProxyMetrics:
 
 
 class MetricsCollector(Collector):
+    """`gauges` are values that go up and down (connections now); `counts` are cumulative
+    counts kept outside ProxyMetrics (refresh failures, connections opened): counters, with
+    `_total` added to their names, never gauges (rate() needs to see their resets)."""
+
     def __init__(
         self,
         metrics: ProxyMetrics,
         gauges: Callable[[], dict[str, float]],
         hot_path_stats: Callable[[], dict[str, Any]],
+        counts: Callable[[], dict[str, tuple[str, float]]] = dict,
     ) -> None:
         self._metrics = metrics
         self._gauges = gauges
         self._hot_path_stats = hot_path_stats
+        self._counts = counts
 
     def collect(self) -> Iterator[Metric]:
         m = self._metrics
@@ -218,5 +226,109 @@ class MetricsCollector(Collector):
                 family.add_metric([key], count)
             yield family
 
+        for suffix, (text, amount) in sorted(self._counts().items()):
+            yield CounterMetricFamily(f"kroute_proxy_{suffix}", text, value=amount)
         for name, value in sorted(self._gauges().items()):
             yield GaugeMetricFamily(f"kroute_proxy_{name}", name.replace("_", " "), value=value)
+
+
+# Families whose samples are added up across worker processes: every sample of a counter or a
+# histogram (buckets, _count and _sum) is a count or a sum of observations.
+SUMMED_TYPES = frozenset({"counter", "histogram"})
+WORKER_LABEL = "worker"
+_SampleKey = tuple[str, tuple[tuple[str, str], ...]]  # (sample name, sorted labels)
+
+
+@dataclass(frozen=True)
+class _Family:
+    name: str
+    documentation: str
+    type: str
+
+
+class WorkerMetrics:
+    """The proxy's metrics when KROUTE_WORKERS processes serve it: one exposition made, at
+    scrape time, from every worker's own /metrics.
+
+    Counters and histograms are summed per series, so a dashboard sees the same names and
+    labels as with one process. Gauges describe one process each (its connections, its table,
+    its ejections) and get a `worker` label, except `shared_gauges`, which describe the cluster
+    as every worker reads it from Redis (the replicas' lag): those come once, from the worker
+    with the freshest table. The sums never go down while the proxy runs: a worker that does
+    not answer a scrape counts with its last scraped values, and a worker that exits leaves
+    its last scraped values behind (its replacement counts from zero on top of them); only what
+    a dead worker counted after its last scrape is lost.
+    """
+
+    def __init__(self, shared_gauges: Iterable[str]) -> None:
+        self._shared = frozenset(shared_gauges)
+        self._families: dict[str, _Family] = {}  # every family seen, in first-seen order
+        self._last: dict[int, tuple[int, list[Metric]]] = {}  # pid -> (worker, families)
+        self._retired: dict[str, dict[_SampleKey, float]] = {}  # family -> sample -> total
+
+    def scraped(self, pid: int, worker: int, text: str) -> None:
+        """A worker's /metrics answer (raises ValueError if it is not a valid exposition)."""
+        families = list(text_string_to_metric_families(text))
+        for family in families:
+            self._families.setdefault(
+                family.name, _Family(family.name, family.documentation, family.type)
+            )
+        self._last[pid] = (worker, families)
+
+    def exited(self, pid: int) -> None:
+        """The worker with this pid is gone: keep its counts in the sums."""
+        _, families = self._last.pop(pid, (0, []))
+        for family in families:
+            if family.type in SUMMED_TYPES:
+                _add_samples(self._retired.setdefault(family.name, {}), family.samples)
+
+    def merged(self, live_pids: Iterable[int]) -> list[Metric]:
+        live = [self._last[pid] for pid in live_pids if pid in self._last]
+        summed = {name: dict(samples) for name, samples in self._retired.items()}
+        gauges: dict[str, list[Sample]] = {}
+        freshest = _freshest(live)
+        for worker, families in live:
+            for family in families:
+                if family.type in SUMMED_TYPES:
+                    _add_samples(summed.setdefault(family.name, {}), family.samples)
+                elif family.name in self._shared:
+                    if worker == freshest:
+                        gauges.setdefault(family.name, []).extend(family.samples)
+                else:
+                    gauges.setdefault(family.name, []).extend(
+                        s._replace(labels={**s.labels, WORKER_LABEL: str(worker)})
+                        for s in family.samples
+                    )
+        merged = []
+        for name, meta in self._families.items():
+            metric = Metric(name, meta.documentation, meta.type)
+            if meta.type in SUMMED_TYPES:
+                metric.samples = [
+                    Sample(sample, dict(labels), value)
+                    for (sample, labels), value in summed.get(name, {}).items()
+                ]
+            else:
+                metric.samples = gauges.get(name, [])
+            merged.append(metric)
+        return merged
+
+
+def _add_samples(totals: dict[_SampleKey, float], samples: Iterable[Sample]) -> None:
+    for sample in samples:
+        key = (sample.name, tuple(sorted(sample.labels.items())))
+        totals[key] = totals.get(key, 0.0) + sample.value
+
+
+def _freshest(live: list[tuple[int, list[Metric]]]) -> int | None:
+    """The worker whose routing table was built last (smallest known table age)."""
+    ages: Mapping[int, float] = {
+        worker: sample.value
+        for worker, families in live
+        for family in families
+        if family.name == "kroute_proxy_table_age_seconds"
+        for sample in family.samples
+        if sample.value >= 0
+    }
+    if ages:
+        return min(ages, key=lambda worker: (ages[worker], worker))
+    return min((worker for worker, _ in live), default=None)

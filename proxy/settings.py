@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
 from typing import Literal
 
 from pydantic import (
@@ -35,6 +36,14 @@ from common.settings import (
 )
 
 DEFAULT_ROUTES = '[{"path": "/stores/{store}/keys/{key}"}]'
+# More proxy processes than this is a typo, not a machine (each holds its own table and pools).
+MAX_WORKERS = 256
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity: taskset, cgroup cpusets), which
+    can be fewer than the machine's."""
+    return max(len(os.sched_getaffinity(0)), 1)
 
 
 class RouteSpec(BaseModel):
@@ -283,6 +292,15 @@ class ProxySettings(EnvSettings):
         default=True,
         description="Serve the common case in C (proxy/_hotpath.c); false sends every request "
         "through the Python path, which behaves the same, about half as fast.",
+    )
+    workers: int = Field(
+        default_factory=available_cores,
+        ge=1,
+        le=MAX_WORKERS,
+        description="Proxy processes sharing the data port (SO_REUSEPORT), each with its own C "
+        "path, under one parent that restarts a dead one and serves the admin port for all "
+        "(metrics summed); 1: one process, no parent (default: one per core this process may "
+        "run on).",
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         default="info", description="Log level of the proxy's JSON logs."

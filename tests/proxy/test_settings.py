@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from common.settings import SettingsError, redacted_url
@@ -47,6 +49,9 @@ def test_missing_redis_url_is_named():
         ("KROUTE_RETRY_STATUSES", "404;503", "'404;503' is not an HTTP status code"),
         ("KROUTE_RETRY_STATUSES", "not-mine", "is not an HTTP status code"),
         ("KROUTE_RETRY_STATUSES", "-404", "is not an HTTP status code"),
+        ("KROUTE_WORKERS", "0", "greater than or equal to 1"),
+        ("KROUTE_WORKERS", "257", "less than or equal to 256"),
+        ("KROUTE_WORKERS", "two", "valid integer"),
     ],
 )
 def test_each_bad_value_names_its_variable(variable, value, message):
@@ -98,3 +103,10 @@ def test_allowed_networks_parse():
 )
 def test_redis_url_in_logs_keeps_the_address_and_hides_credentials(url, shown):
     assert redacted_url(ProxySettings.from_env({"KROUTE_REDIS_URL": url}).redis_url) == shown
+
+
+def test_workers_default_to_the_cores_this_process_may_use():
+    """One per core the proxy may run on (its affinity, which taskset or a cpuset narrows)."""
+    assert ProxySettings.from_env(BASE).workers == len(os.sched_getaffinity(0))
+    assert ProxySettings.from_env({**BASE, "KROUTE_WORKERS": "1"}).workers == 1
+    assert ProxySettings.from_env({**BASE, "KROUTE_WORKERS": "4"}).workers == 4
