@@ -106,3 +106,10 @@ class UpstreamTimeout(UpstreamFailure):
 
 class UpstreamProtocol(UpstreamFailure):
     kind = "bad_response"
+
+
+class UpstreamTooLarge(UpstreamProtocol):
+    """A well-formed answer over KROUTE_MAX_RESPONSE_BYTES: a property of the value asked for,
+    not of the node's health, so it never counts towards ejecting the node."""
+
+    kind = "response_too_large"

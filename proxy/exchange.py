@@ -12,7 +12,9 @@ on as the node sent it (a 404 from every replica is the key's real answer), exce
 refusal of the request's freshness bounds (421 with x-kroute-refused, proxy.freshness): that
 one does not refresh the table, and the last is answered with a 503 naming every refusal.
 A malformed or oversized answer is a 502 for that request: the node is not down, so it is
-neither ejected nor retried.
+not retried, and not ejected on connection grounds; malformed answers count towards the
+consecutive-5xx ejection (KROUTE_EJECT_CONSECUTIVE_5XX), oversized ones do not (the value is
+big, the node is fine).
 
 An answer longer than the pool's buffer is streamed: its head goes to the client, then its
 body as it arrives, with the client's back-pressure pausing the node's connection. A node
@@ -51,7 +53,7 @@ import structlog
 from common.clock import now_ms
 from proxy._hotpath import Cached, Candidate
 from proxy.choice import LagBudget, Rejection, Replica, rotated
-from proxy.errors import UpstreamClosedKept, UpstreamFailure, UpstreamProtocol
+from proxy.errors import UpstreamClosedKept, UpstreamFailure, UpstreamProtocol, UpstreamTooLarge
 from proxy.freshness import NodeRefusal, refusal_of, unmet
 from proxy.health import Ejections
 from proxy.http import (
@@ -449,7 +451,8 @@ class Exchange:
         ctx.metrics.failed(target.node_id, failure.kind)
         self._tried.append({"node": target.node_id, "outcome": f"{failure.kind}: {failure}"})
         if isinstance(failure, UpstreamProtocol):
-            self._report(candidate, 502)  # an answer the proxy cannot pass on
+            if not isinstance(failure, UpstreamTooLarge):
+                self._report(candidate, 502)  # an answer the proxy cannot pass on
         else:
             ctx.ejections.eject(target.node_id, target.url, f"{failure.kind}: {failure}")
             ctx.pool.drop_origin(target.origin)
@@ -541,7 +544,8 @@ class Exchange:
     def _bad_answer(self, target: Target, failure: UpstreamFailure) -> None:
         """A node answered, but not in HTTP the proxy can pass on: 502, the node stays in
         (unless such answers and 5xx come KROUTE_EJECT_CONSECUTIVE_5XX times in a row)."""
-        self._report(self.targets[self._attempt], 502)
+        if not isinstance(failure, UpstreamTooLarge):  # a big value says nothing of the node
+            self._report(self.targets[self._attempt], 502)
         self._ctx.metrics.failed(target.node_id, failure.kind)
         self._tried.append({"node": target.node_id, "outcome": f"{failure.kind}: {failure}"})
         log.warning(

@@ -64,6 +64,7 @@ from proxy.errors import (
     UpstreamRefused,
     UpstreamReset,
     UpstreamTimeout,
+    UpstreamTooLarge,
 )
 from proxy.http import filter_response_head
 
@@ -268,14 +269,14 @@ class UpstreamConnection(UpstreamBase, asyncio.Protocol):
         if length is None and not no_body and not codings:
             self._until_close = True
         if length is not None and length > self._pool.max_response_bytes:
-            raise UpstreamProtocol(f"response over {self._pool.max_response_bytes} bytes")
+            raise UpstreamTooLarge(f"response over {self._pool.max_response_bytes} bytes")
 
     def on_body(self, body: bytes) -> None:
         if self._interim:
             raise UpstreamProtocol("an interim (1xx) answer with a body")
         self._size += len(body)
         if self._size > self._pool.max_response_bytes:
-            raise UpstreamProtocol(f"response over {self._pool.max_response_bytes} bytes")
+            raise UpstreamTooLarge(f"response over {self._pool.max_response_bytes} bytes")
         if self._streaming:
             self.deadline = time.monotonic() + self._pool.response_timeout_s
             sink = self._sink

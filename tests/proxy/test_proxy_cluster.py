@@ -165,6 +165,18 @@ def check_refusal_reasons(reasons: dict[str, str], paused: str) -> None:
             assert "lag" in reason, reason
 
 
+def zero_lag_replicas(proxy: ProxyHandle, dead: str) -> dict[int, set[str]]:
+    """partition -> the live replicas the proxy's table shows at lag 0."""
+    return {
+        entry["partition"]: {
+            replica["node"]
+            for replica in entry["replicas"]
+            if replica["node"] != dead and replica["lag"] == 0
+        }
+        for entry in proxy.status()["stores"]["customers"]["partition_map"]
+    }
+
+
 def test_a_lagging_replica_never_answers_beyond_the_budget(cluster, proxy):
     paused = "a"
     assignment = cluster.assignment()
@@ -196,34 +208,44 @@ def test_a_lagging_replica_never_answers_beyond_the_budget(cluster, proxy):
             if others and all(lag == 0 for lag in others):
                 break
             time.sleep(0.2)
-        answered_by: dict[str, int] = {}
-        refusals = 0
+        # Who may answer within a zero budget, per partition: the live replicas whose lag the
+        # proxy's table says is 0 now (the paused node's reports only grow once the producer
+        # stopped). A partition with none must be refused; one with any must be answered.
+        allowed = zero_lag_replicas(proxy, dead="b")
+        placements = assignment.stores["customers"]
+        with_c = {p for p, placed in placements.items() if "c" in placed.replicas()}
+        assert all("c" in allowed[p] for p in with_c), ("c did not catch up", allowed)
+        # Nobody may answer only where the paused node is the one live replica.
+        for p in (p for p, nodes in allowed.items() if not nodes):
+            assert set(placements[p].replicas()) == {paused, "b"}, (p, allowed)
+        answered_by: dict[str, int] = {}  # node -> keys it answered
         for key in SEED_KEYS:
             response = proxy.get(f"/stores/customers/keys/{key}", headers={"x-kroute-max-lag": "0"})
             chosen = partition(key.encode(), PARTITIONS)
-            if response.status_code == 200:
+            if allowed[chosen]:
+                assert response.status_code == 200, (key, chosen, response.text)
                 node = response.headers["x-kroute-node"]
-                answered_by[node] = answered_by.get(node, 0) + 1
+                assert node in allowed[chosen], (key, chosen, node, allowed[chosen])
+                assert response.json()["key"] == key
                 if chosen in lagging:
                     assert node != paused, f"{key} answered by the lagging node"
+                answered_by[node] = answered_by.get(node, 0) + 1
             else:
                 assert response.status_code == 503, response.text
                 body = response.json()
                 assert body["error"] == "no_replica"
                 reasons = {r["node"]: r["reason"] for r in body["replicas"]}
-                placed = assignment.stores["customers"][chosen]
-                assert set(reasons) == set(placed.replicas())
+                assert set(reasons) == set(placements[chosen].replicas())
                 check_refusal_reasons(reasons, paused)
-                refusals += 1
-        # Partitions whose only live replica is the paused node (b, their other one, is dead)
-        # cannot be served within a zero budget: each such key got the 503 that says why.
+        # Liveness as well as safety: every key with a caught-up live replica was answered (by
+        # one), the survivor c among them; only partitions whose only live replica is the
+        # paused node (b, their other, is dead) were refused, each with the 503 that says why.
+        assert answered_by.get("c", 0) > 0, answered_by
         only_paused = {
             p
-            for p, placed in assignment.stores["customers"].items()
+            for p, placed in placements.items()
             if set(placed.replicas()) == {paused, "b"} and p in lagging
         }
-        if only_paused:
-            assert refusals > 0
         # Without a budget the same keys are answered (by the lagging replica, visibly).
         for key in SEED_KEYS:
             if partition(key.encode(), PARTITIONS) in only_paused:
@@ -255,3 +277,4 @@ def test_redis_restarted_empty_while_serving(cluster, proxy):
     load.stop()
     assert not proxy.status()["proxy"]["degraded"]
     assert load.errors == [], load.errors[:3]
+    assert len(load.statuses) > 50, "hardly anything was answered"  # 503s are errors above

@@ -10,6 +10,7 @@ import json
 import random
 import threading
 import time
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,14 +20,30 @@ from confluent_kafka import KafkaError, Message, Producer
 ANSWERED = (200, 404)  # a value, or "no such key": both are answers, not failures
 
 
+@dataclass(slots=True)
+class Write:
+    """One record the writer produced: its number (in its value, `{"write": n}`), whether it
+    was a tombstone, when produce() was called and when the broker acknowledged it
+    (time.monotonic(); None until then, and for ever if it failed)."""
+
+    n: int
+    deleted: bool
+    sent_at: float
+    acked_at: float | None = None
+
+
 class Writer:
-    """Updates and deletes (tombstones) of `keys` at about `rate` records a second."""
+    """Updates and deletes (tombstones) of `keys` at about `rate` records a second. It keeps
+    every key's writes in order (`history`), so a reader's answer can be judged by the writes
+    it does not show yet (`tests.reliability.truth.true_staleness_s`)."""
 
     def __init__(self, bootstrap: str, topic: str, keys: list[str], rate: float = 40) -> None:
         self._producer = Producer(
             {"bootstrap.servers": bootstrap, "partitioner": "murmur2_random", "linger.ms": 5}
         )
         self._topic, self._keys, self._interval = topic, keys, 1 / rate
+        self._lock = threading.Lock()
+        self.history: dict[str, list[Write]] = defaultdict(list)
         self._running = threading.Event()
         self._stop = threading.Event()
         self._idle = threading.Event()
@@ -44,21 +61,40 @@ class Writer:
                 self._idle.set()
                 continue
             self._idle.clear()
-            key = chooser.choice(self._keys)
-            value = None if chooser.random() < 0.2 else json.dumps({"n": self.written}).encode()
-            self._producer.produce(
-                self._topic, key=key.encode(), value=value, on_delivery=self._delivered
-            )
-            self._producer.poll(0)
-            self.written += 1
-            time.sleep(self._interval)
+            self._write(chooser.choice(self._keys), deleted=chooser.random() < 0.2)
+            # Serving delivery reports while waiting stamps each acknowledgement when it comes
+            # (poll returns early when it served one: wait out the interval).
+            next_at = time.monotonic() + self._interval
+            while (left := next_at - time.monotonic()) > 0:
+                self._producer.poll(left)
 
-    def _delivered(self, error: KafkaError | None, message: Message) -> None:
-        if error is None:  # a failed record may or may not be in the topic: no claim either way
-            self.acknowledged[(message.partition(), message.offset())] = (
-                message.key(),
-                message.value(),
-            )
+    def _write(self, key: str, *, deleted: bool) -> None:
+        write = Write(self.written, deleted, time.monotonic())
+        value = None if deleted else json.dumps({"write": write.n}).encode()
+        with self._lock:
+            self.history[key].append(write)
+
+        def delivered(error: KafkaError | None, message: Message) -> None:
+            # A failed record may or may not be in the topic: no claim either way.
+            if error is None:
+                write.acked_at = time.monotonic()
+                self.acknowledged[(message.partition(), message.offset())] = (
+                    message.key(),
+                    message.value(),
+                )
+
+        self._producer.produce(self._topic, key=key.encode(), value=value, on_delivery=delivered)
+        self._producer.poll(0)
+        self.written += 1
+
+    def writes_to(self, key: str) -> list[Write]:
+        with self._lock:
+            return list(self.history.get(key, ()))
+
+    def write_to(self, keys: list[str]) -> None:
+        """From now on write only to `keys` (a few hot keys change often enough for a stale
+        replica to show within seconds)."""
+        self._keys = keys
 
     def resume(self) -> None:
         self._running.set()

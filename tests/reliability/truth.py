@@ -7,6 +7,14 @@ had acknowledged must be among them at the offset the broker gave it, so a broke
 rewrote records after a restart cannot hand us a smaller truth. The check asks every live
 replica of every key's partition, so a replica that lost, kept or resurrected a key is caught
 even when the other replica is right.
+
+While the writer keeps writing there is no fixed truth to compare with, so a read is judged by
+its staleness instead, the way the system benchmark judges it: how long before the answer
+arrived the broker had acknowledged the oldest write to that key the answer does not show
+(`true_staleness_s`). A replica whose time lag (caught up at T: everything the broker held at
+T is applied) is within a budget cannot miss a write acknowledged before T, so a fresh-enough
+answer has a true staleness within the budget plus its own time on the way back, whatever
+the nodes or the proxy believe about their lag.
 """
 
 from __future__ import annotations
@@ -17,9 +25,11 @@ from typing import Any
 
 import httpx
 
+from common.contract import decode_report, lag_field
 from partitioner import partition
 from tests.cluster_helpers import PARTITIONS, Cluster
 from tests.kafka_helpers import Acknowledged, assert_topic_holds, read_topic
+from tests.reliability.traffic import Outcome, Write, Writer
 
 Truth = dict[str, Any]  # key -> value (None: deleted)
 
@@ -45,6 +55,27 @@ def wait_caught_up(cluster: Cluster, alive: set[str], timeout_s: float = 180) ->
             assert process.is_running(), process.log_tail(40)
         assert time.monotonic() < deadline, f"replicas did not catch up: {cluster.unsettled(alive)}"
         time.sleep(0.3)
+
+
+def wait_nodes_caught_up(cluster: Cluster, names: set[str], timeout_s: float) -> None:
+    """Until each of `names` has applied its replicas up to the current ends (the others may
+    be anywhere: unlike `Cluster.settled`, a stopped node does not hold this up)."""
+    deadline = time.monotonic() + timeout_s
+    while (behind := _behind(cluster, names)) is not None:
+        assert time.monotonic() < deadline, f"replicas did not catch up: {behind}"
+        time.sleep(0.3)
+
+
+def _behind(cluster: Cluster, names: set[str]) -> str | None:
+    assignment, ends = cluster.assignment(), cluster.ends()
+    for name in sorted(names):
+        mine = assignment.for_node(name).get("customers", {})
+        for p in mine.get("active", []) + mine.get("standby", []):
+            raw = cluster.redis.hget(cluster.keys.lag(name), lag_field("customers", p))
+            offset = decode_report(raw).current_offset if raw is not None else None
+            if offset != ends[p]:
+                return f"{name} partition {p} at {offset}, end {ends[p]}"
+    return None
 
 
 def assert_replicas_serve_the_topic(
@@ -73,3 +104,32 @@ def assert_replicas_serve_the_topic(
             client.close()
     assert not wrong, f"{len(wrong)} wrong answers, e.g. {wrong[:5]}"
     return len(truth)
+
+
+def shown_write(writes: list[Write], outcome: Outcome) -> int | None:
+    """The index in `writes` of the write the answer shows; -1 for none of them (the seed
+    value); None if it can show none (a deletion never written, a value never written)."""
+    if outcome.status == 200:
+        shown = (outcome.answer.get("value") or {}).get("write")
+        if shown is None:
+            return -1
+        # A value this writer never wrote to this key shows nothing it wrote: wrong, not old.
+        return next((i for i, write in enumerate(writes) if write.n == shown), None)
+    received = outcome.at + outcome.latency_s
+    # "Deleted" is what every tombstone shows: credit the newest sent before the answer came.
+    deletions = [i for i, w in enumerate(writes) if w.deleted and w.sent_at <= received]
+    return deletions[-1] if deletions else None
+
+
+def true_staleness_s(writer: Writer, outcome: Outcome) -> float:
+    """How long the oldest acknowledged write to the key that a 200 or 404 does not show had
+    been in the topic when the answer arrived (0 if it shows everything acknowledged by
+    then; infinite for an answer that shows no write of that key at all)."""
+    writes = writer.writes_to(outcome.key)
+    shown = shown_write(writes, outcome)
+    if shown is None:
+        return float("inf")
+    received = outcome.at + outcome.latency_s
+    unseen = [w.acked_at for w in writes[shown + 1 :] if w.acked_at is not None]
+    oldest = min(unseen, default=received)
+    return max(received - oldest, 0.0)
