@@ -192,6 +192,9 @@ class TableBuilder:
         self._node_urls: Mapping[str, str] = {}
         self._alive_frozen: frozenset[str] = frozenset()
         self._changed: dict[str, set[int]] | None = None  # since the last snapshot
+        # A node's URL, liveness or membership changed: the snapshot's node_urls and alive
+        # differ even when the node is placed nowhere (no partition touched).
+        self._membership_changed = False
 
     # -- updates -----------------------------------------------------------------------------
 
@@ -208,6 +211,7 @@ class TableBuilder:
     def set_alive(self, alive: set[str] | frozenset[str]) -> None:
         for node_id in alive ^ self.alive:
             self._touch(node_id)
+            self._membership_changed = True
         self.alive = set(alive)
 
     def set_node(
@@ -226,6 +230,7 @@ class TableBuilder:
             else:
                 self.nodes[node_id] = info
             self._node_urls = {}  # rebuilt at the next snapshot
+            self._membership_changed = True
         elif hosting == self.hostings.get(node_id) and fields == self.reports.get(node_id, {}):
             return
         if hosting is None:
@@ -238,7 +243,9 @@ class TableBuilder:
     def forget_node(self, node_id: str) -> None:
         self.set_node(node_id, None, None, {})
         self.reports.pop(node_id, None)
-        self.alive.discard(node_id)
+        if node_id in self.alive:
+            self.alive.discard(node_id)
+            self._membership_changed = True
 
     def _touch(self, node_id: str) -> None:
         self._touched.update(self._placed_on.get(node_id, ()))
@@ -247,7 +254,7 @@ class TableBuilder:
 
     @property
     def pending(self) -> bool:
-        return self._everything or bool(self._touched)
+        return self._everything or bool(self._touched) or self._membership_changed
 
     def rebuild(self) -> Iterator[int]:
         """Recompute what updates touched; yields after every step (the partitions done)."""
@@ -315,6 +322,7 @@ class TableBuilder:
         nothing; call after `rebuild` has run to the end."""
         if not self._node_urls and self.nodes:
             self._node_urls = {node_id: info.url for node_id, info in self.nodes.items()}
+        self._membership_changed = False
         if self._alive_frozen != self.alive:
             self._alive_frozen = frozenset(self.alive)
         changed, self._changed = self._changed, {}

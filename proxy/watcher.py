@@ -166,7 +166,11 @@ class TableWatcher:
         self._wake.set()
 
     async def run(self) -> None:
-        await asyncio.gather(self._poll(), self._listen(), self._probe_loop(), self._log_stats())
+        # A task group: a loop that dies takes the others with it and the failure surfaces in
+        # the caller, instead of a proxy routing on a table nobody refreshes any more.
+        async with asyncio.TaskGroup() as group:
+            for loop in (self._poll(), self._listen(), self._probe_loop(), self._log_stats()):
+                group.create_task(loop)
 
     async def refresh(self) -> None:
         """Read everything now and swap the result in (or record why not)."""
@@ -179,7 +183,10 @@ class TableWatcher:
             self._wake.clear()
             await self._guarded(self._step)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), TICK_S)
+                # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation
+                # that lands as the event fires (CPython gh-86296), and shutdown would hang.
+                async with asyncio.timeout(TICK_S):
+                    await self._wake.wait()
             await asyncio.sleep(MIN_GAP_S)
 
     async def _step(self) -> None:
@@ -230,10 +237,14 @@ class TableWatcher:
     async def _guarded(self, read: Callable[[], Any]) -> None:
         try:
             await read()
-        except (aioredis.RedisError, OSError) as exc:
+        except Exception as exc:  # the loop must outlive any value or error
             self.refresh_failures += 1
             self.last_error = str(exc) or type(exc).__name__
-            if not self.degraded:
+            if not isinstance(exc, aioredis.RedisError | OSError):
+                # Not Redis: a value or a bug. Said each time (with the traceback), never
+                # allowed to stop the refreshes; the table stays the last good one meanwhile.
+                log.exception("routing table read failed: routing on the last table")
+            elif not self.degraded:
                 log.warning(
                     "redis unreachable: routing on the last table",
                     error=self.last_error,
@@ -357,7 +368,7 @@ class TableWatcher:
             report = self._decoded(decode_report, raw_report, f"lag:{node_id}")
             if report is None or self._from_the_future(node_id, report, at):
                 continue
-            if partition.isdigit():
+            if partition.isascii() and partition.isdigit():  # "²" is a digit int() refuses
                 reports[(store, int(partition))] = report
         self._table.set_node(node_id, info, hosting, reports)
 
@@ -497,7 +508,7 @@ class TableWatcher:
             return None
         try:
             return decode(raw)
-        except (ContractError, ValueError) as exc:
+        except (ContractError, ValueError, RecursionError) as exc:  # deep nesting: Recursion
             self._warn_once(f"{what}:{exc}", "ignoring a value that breaks the contract", key=what)
             return None
 
@@ -545,6 +556,9 @@ class TableWatcher:
                     if message is not None and message.get("type") == "message":
                         self._note(message.get("data"))
             except (aioredis.RedisError, OSError):
+                current = asyncio.current_task()
+                if current is not None and current.cancelling():
+                    raise  # a read timeout racing the cancellation must not outlive it
                 await asyncio.sleep(self.refresh_interval_s)
             finally:
                 with contextlib.suppress(aioredis.RedisError, OSError):
@@ -554,7 +568,7 @@ class TableWatcher:
         """An event: read the node it names, or the head (assignment, membership) soon."""
         try:
             event = decode_event(raw)
-        except (ContractError, ValueError, TypeError):
+        except (ContractError, ValueError, TypeError, RecursionError):
             self._head_due = self._assignment_due = True  # a writer we cannot read: the head
             self._wake.set()
             return
