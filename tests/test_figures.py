@@ -366,7 +366,11 @@ def _readme_passages() -> list[Passage]:
         Passage(
             "no extra hop",
             readme_passage("- **No extra hop.**", "- **Reads survive failures.**"),
-            (_system(hop), ("node_forward", ()), ("forwarded_headers", ())),
+            (
+                ("system_hop_sigstop", (hop,)),
+                ("node_forward", ()),
+                ("forwarded_headers", ()),
+            ),
             derived={
                 "80": lambda j: (
                     j["forwarded_headers"]["proxy_kernel_us_per_request"]
@@ -378,7 +382,10 @@ def _readme_passages() -> list[Passage]:
         Passage(
             "reads survive failures",
             readme_passage("- **Reads survive failures.**", "- **Staleness is bounded"),
-            (_system("2_reads_survive_failures"),),
+            (
+                _system("2_reads_survive_failures"),
+                ("system_hop_sigstop", ("2_reads_survive_failures",)),
+            ),
             not_figures={
                 "9": "kill -9",
                 "4": "active for 4 of 12 partitions",
