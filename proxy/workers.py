@@ -61,6 +61,14 @@ CRASH_LOOP_EXITS = 3  # quick exits in a row that make a crash loop (logged as a
 # After KROUTE_SHUTDOWN_TIMEOUT_S, how long a worker may take to close before it is killed.
 STOP_GRACE_S = 5.0
 STOPPED_CLEANLY = (0, -signal.SIGTERM)  # a worker's exit status after the parent's SIGTERM
+# A worker that runs but no longer answers (SIGSTOP, a stuck loop) still gets its share of the
+# data port's new connections (SO_REUSEPORT), which would hang: the parent asks each worker
+# whether it is live every WATCHDOG_INTERVAL_S and kills one that missed WATCHDOG_MISSES checks
+# in a row (its keeper starts a new one). A worker starting (imports, the first table read) is
+# not checked for WATCHDOG_START_GRACE_S.
+WATCHDOG_INTERVAL_S = 1.0
+WATCHDOG_MISSES = 3
+WATCHDOG_START_GRACE_S = 10.0
 ASK_TIMEOUT_S = 2.0  # one worker's admin answer; a worker that is slower is left out
 _PR_SET_PDEATHSIG = 1
 
@@ -228,6 +236,7 @@ class Supervisor:
         )
         serving_admin = asyncio.create_task(admin.serve())
         keepers = [asyncio.create_task(self._keep_running(slot, port)) for slot in self.slots]
+        watchdog = asyncio.create_task(self._watch_for_hung_workers())
         log.info(
             "proxy supervisor started",
             workers=len(self.slots),
@@ -237,6 +246,8 @@ class Supervisor:
         try:
             await self._stopping.wait()
         finally:
+            watchdog.cancel()
+            await asyncio.gather(watchdog, return_exceptions=True)
             clean = await self._stop_workers(keepers)
             admin.should_exit = True
             await asyncio.gather(serving_admin, return_exceptions=True)
@@ -272,6 +283,37 @@ class Supervisor:
             )
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), delay)
+
+    async def _watch_for_hung_workers(self) -> None:
+        misses: dict[int, int] = {}
+        while not self._stopping.is_set():
+            await asyncio.sleep(WATCHDOG_INTERVAL_S)
+            await asyncio.gather(*(self._check_live(slot, misses) for slot in self.slots))
+
+    async def _check_live(self, slot: WorkerSlot, misses: dict[int, int]) -> None:
+        index, pid, process = slot.role.index, slot.pid, slot.process
+        if pid is None or process is None or self._stopping.is_set():
+            misses.pop(index, None)
+            return
+        if time.monotonic() - slot.started_at < WATCHDOG_START_GRACE_S:
+            misses.pop(index, None)
+            return
+        answer = None
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(WATCHDOG_INTERVAL_S):
+                answer = await slot.ask("/health/live")
+        if answer is not None and answer.status_code == 200:
+            misses.pop(index, None)
+            return
+        misses[index] = misses.get(index, 0) + 1
+        if misses[index] >= WATCHDOG_MISSES and slot.pid == pid and not self._stopping.is_set():
+            log.error(
+                "proxy worker stopped answering: killing it so that it is replaced",
+                worker=index,
+                pid=pid,
+                unanswered_checks=misses.pop(index),
+            )
+            process.kill()  # SIGKILL works on a stopped process too
 
     def _spawn(self, slot: WorkerSlot, port: int) -> subprocess.Popen[bytes]:
         slot.role.admin_socket.unlink(missing_ok=True)

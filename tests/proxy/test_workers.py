@@ -39,7 +39,14 @@ from kroute.embedded import EmbeddedServices, RedisHandle, free_port
 from kroute.proxies import ProxyHandle, start_proxy
 from kroute.static_cluster import StaticCluster
 from proxy.metrics import WorkerMetrics
-from proxy.workers import Backoff, merged_readiness, merged_status
+from proxy.workers import (
+    WATCHDOG_INTERVAL_S,
+    WATCHDOG_MISSES,
+    WATCHDOG_START_GRACE_S,
+    Backoff,
+    merged_readiness,
+    merged_status,
+)
 from tests.prometheus_checks import assert_follows_conventions, sample_values
 from tests.proxy.third_party import STORE, ThirdPartyServer, start_uvicorn
 
@@ -291,6 +298,27 @@ def test_a_killed_worker_is_restarted_and_requests_keep_being_answered(cluster):
         assert restarted in children(proxy.process.pid)
         assert metric(proxy, "kroute_proxy_worker_restarts_total", worker="0") == 1
         assert metric(proxy, "kroute_proxy_worker_restarts_total", worker="1") == 0
+
+
+def test_a_worker_that_stops_answering_is_killed_and_replaced(cluster):
+    """A SIGSTOPped worker keeps its listening socket, so the kernel goes on handing it new
+    connections, which would hang: the parent's watchdog must replace it."""
+    with cluster.proxy() as proxy:
+        old_pids = proxy.worker_pids()
+        time.sleep(WATCHDOG_START_GRACE_S)  # past the start-up grace the watchdog allows
+        os.kill(old_pids[1], signal.SIGSTOP)
+        try:
+            limit = WATCHDOG_INTERVAL_S * (WATCHDOG_MISSES + 2) + 10  # + a busy machine's slack
+            wait_for(lambda: replaced(proxy, 1, old_pids[1]), limit, "the hung worker replaced")
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(old_pids[1], signal.SIGCONT)
+        assert not running(old_pids[1])
+        assert worker_pid(proxy, 0) == old_pids[0]  # the answering one was left alone
+        answers = [lookup(cluster.http, proxy) for _ in range(30)]  # a new connection each
+        assert {a.worker for a in answers} <= {0, 1}
+        assert metric(proxy, "kroute_proxy_worker_restarts_total", worker="1") == 1
+        assert metric(proxy, "kroute_proxy_worker_restarts_total", worker="0") == 0
 
 
 def test_counters_never_go_down_when_a_worker_is_replaced(cluster):
