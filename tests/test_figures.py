@@ -275,7 +275,9 @@ def test_every_figure_of_a_results_section_is_in_its_json(passage: Passage):
 def test_a_results_section_quotes_the_revision_its_json_measured(name: str):
     data = _load(name)
     if name in NO_REVISION_YET:
-        assert "revision" not in data, f"{name}.json has a revision now: drop it from the list"
+        # Rewritten since by a partial run (a new key): still no revision for the old figures.
+        recorded = data.get("revision", "not recorded")
+        assert recorded == "not recorded", f"{name}.json has a revision now: drop it from the list"
         return
     revision = data["revision"]
     # Recorded as a commit and a dirty flag (older files: "<commit>+changes").
