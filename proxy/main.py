@@ -9,6 +9,8 @@ workers (proxy.workers), each of them this same program started with a worker ro
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 import os
 import signal
 import sys
@@ -51,6 +53,7 @@ class Proxy:
     """One proxy process: the whole proxy, or one worker of several (`worker` given)."""
 
     def __init__(self, settings: ProxySettings, worker: WorkerRole | None = None) -> None:
+        self.abandoned = False  # a background task did not stop when cancelled (see _stopped)
         self.settings = settings
         self.worker = worker
         self.metrics = ProxyMetrics()
@@ -268,12 +271,13 @@ class Proxy:
         )
         serving_admin = asyncio.create_task(admin.serve())
         background = [
-            asyncio.create_task(self.watcher.run()),
+            asyncio.create_task(self.watcher.run(), name="table watcher"),
             asyncio.create_task(
                 self.ejections.run(
                     lambda n: n in self.watcher.snapshot.alive,
                     lambda n: self.watcher.snapshot.node_urls.get(n),  # noqa: PLW0108 - the snapshot is replaced
-                )
+                ),
+                name="ejection probes",
             ),
         ]
         await asyncio.sleep(0)
@@ -299,10 +303,12 @@ class Proxy:
             admin.should_exit = True
             for task in background:
                 task.cancel()
-            await asyncio.gather(serving_admin, *background, return_exceptions=True)
+            self.abandoned = not await _stopped([serving_admin, *background])
             self.pool.close()
-            await self.ejections.close()
-            await self.redis.aclose()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(STOP_TASKS_S):
+                    await self.ejections.close()
+                    await self.redis.aclose()
             log.info("proxy stopped", unfinished_requests=unfinished)
         return EXIT_OK
 
@@ -312,6 +318,31 @@ def _request_id_prefix(worker: WorkerRole | None) -> bytes:
     which worker it is (`<random>.<worker>-<count>`)."""
     prefix = os.urandom(4).hex()
     return (prefix if worker is None else f"{prefix}.{worker.index}").encode()
+
+
+# How long stopping waits for the background tasks (already cancelled) before it gives up on
+# them: a shutdown must end, whatever a library does with a cancellation.
+STOP_TASKS_S = 5.0
+
+
+async def _stopped(tasks: list[asyncio.Task[Any]]) -> bool:
+    """Wait for cancelled tasks to end; False (and each stuck task's stack logged) when some
+    did not within STOP_TASKS_S."""
+    _, pending = await asyncio.wait(tasks, timeout=STOP_TASKS_S)
+    if not pending:
+        return True
+    current = asyncio.current_task()
+    for task in asyncio.all_tasks():
+        if task is current or task.done():
+            continue
+        stack = io.StringIO()
+        task.print_stack(file=stack)
+        log.error(
+            "a task did not stop when cancelled: abandoned",
+            task=task.get_name(),
+            stack=stack.getvalue(),
+        )
+    return False
 
 
 _USAGE = "python -m proxy  (configured by KROUTE_* environment variables)"
@@ -342,6 +373,10 @@ def main(argv: list[str] | None = None) -> int:
     async def run() -> int:  # built inside the loop: collaborators bind to the running loop
         if worker is None and settings.workers > 1:
             return await Supervisor(settings).run()
-        return await Proxy(settings, worker).run()
+        proxy = Proxy(settings, worker)
+        code = await proxy.run()
+        if proxy.abandoned:  # the loop's own close would wait for them again, without end
+            os._exit(code)
+        return code
 
     return uvloop.run(run())
