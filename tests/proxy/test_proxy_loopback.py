@@ -15,7 +15,7 @@ import uuid
 import httpx
 import pytest
 
-from common.contract import PartitionAssignment
+from common.contract import Event, PartitionAssignment, encode
 from kroute.proxies import start_proxy
 from partitioner import partition, serialize_key
 from tests.proxy.conftest import PARTITIONS, PROXY_SETTINGS, StandIns
@@ -157,7 +157,11 @@ def set_lag(stand_ins: StandIns, lags: dict[tuple[str, str, int], int]) -> None:
     cluster.lagging_since_ms = {k: int(time.time() * 1000) - 5_000 for k in lags}
     cluster.generation += 1
     cluster.publish(stand_ins.redis)
-    time.sleep(0.5)  # the proxy refreshes on the event (and every 200 ms)
+    # Lag reports are read by the proxy's sweep, or at once for a node a `lag` event names (as
+    # kroute's nodes send when a report changes what they serve): name each one changed here.
+    for node_id in {node for node, _, _ in lags}:
+        stand_ins.redis.publish(cluster.keys.events, encode(Event("lag", node_id=node_id)))
+    time.sleep(0.5)  # the proxy reads them on the events
 
 
 def test_lag_budget_per_request_and_the_503_that_says_why(stand_ins):
