@@ -66,6 +66,14 @@ class Fronted:
     keys: Keys
     topic: str
 
+    def every_partition_placed(self) -> bool:
+        keys = {partition(f"p{i}".encode(), PARTITIONS): f"p{i}" for i in range(200)}
+        assert len(keys) == PARTITIONS
+        return all(
+            self.proxy.get(f"/stores/customers/keys/{key}").status_code != 503
+            for key in keys.values()
+        )
+
     def alive_in_proxy(self) -> dict[str, bool]:
         return {n: v["alive"] for n, v in self.proxy.status()["nodes"].items()}
 
@@ -115,6 +123,9 @@ def fronted(
     built = Fronted(backends, adapter, proxy, redis.Redis.from_url(redis_server.url), keys, topic)
     try:
         assert wait_for(lambda: all(built.alive_in_proxy().values()), 15), adapter.log_tail()
+        # Liveness and what each node serves reach the proxy by different reads: wait for a
+        # replica of every partition too.
+        assert wait_for(built.every_partition_placed, 15), adapter.log_tail()
         yield built
     finally:
         adapter.stop()
