@@ -66,7 +66,7 @@ def redis_server_binary() -> Path:
     )
 
 
-def _die_with_parent(command: list[str]) -> list[str]:
+def die_with_parent(command: list[str]) -> list[str]:
     # setpriv (util-linux) asks the kernel to SIGKILL the child if we die first, so a killed
     # test run or run command never leaves a broker behind. Thread-safe, unlike preexec_fn.
     setpriv = shutil.which("setpriv")
@@ -257,7 +257,7 @@ class EmbeddedServices:
         log_path = self.workdir / f"{name}.log"
         with log_path.open("ab") as log:
             popen = subprocess.Popen(
-                _die_with_parent(command),
+                die_with_parent(command),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,

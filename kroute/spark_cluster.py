@@ -30,7 +30,7 @@ from typing import Any, Self
 import httpx
 
 from common.java import find_java
-from kroute.embedded import LOOPBACK, free_port
+from kroute.embedded import LOOPBACK, die_with_parent, free_port
 from kroute.errors import ServiceStartError
 
 _MASTER_CLASS = "org.apache.spark.deploy.master.Master"
@@ -43,13 +43,6 @@ def spark_home() -> Path:
     import pyspark  # noqa: PLC0415 - only needed to find the directory
 
     return Path(pyspark.__file__).resolve().parent
-
-
-def _die_with_parent(command: list[str]) -> list[str]:
-    # setpriv (util-linux) has the kernel SIGKILL the daemon if its owner dies first (a killed
-    # test run must not leave a master behind); it survives spark-class's exec of the JVM.
-    setpriv = shutil.which("setpriv")
-    return [setpriv, "--pdeathsig", "KILL", "--", *command] if setpriv else command
 
 
 @dataclass
@@ -199,7 +192,7 @@ class SparkStandaloneCluster:
         log_path = self.log_dir / f"spark-{name}.log"
         with log_path.open("ab") as log:
             popen = subprocess.Popen(
-                _die_with_parent([str(spark_home() / "bin" / "spark-class"), *arguments]),
+                die_with_parent([str(spark_home() / "bin" / "spark-class"), *arguments]),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
