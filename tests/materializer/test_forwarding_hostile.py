@@ -29,25 +29,11 @@ from materializer.server import NodeApp, NodeState
 from materializer.sink import IngestStats
 from materializer.store import Store
 from partitioner import KeyPartitioner, partition
+from tests.materializer.test_forwarding import _answer, _read_head  # one owner's helpers
 from tests.served_nodes import ServedNode
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 TIMEOUT_S = 0.6
-
-
-async def _read_head(reader: asyncio.StreamReader) -> dict[str, str]:
-    head = await reader.readuntil(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    fields = {"request-line": lines[0]}
-    for line in lines[1:]:
-        if line:
-            name, _, value = line.partition(":")
-            fields[name.strip().lower()] = value.strip()
-    return fields
-
-
-def _answer(status: int, body: bytes, extra: str = "") -> bytes:
-    return f"HTTP/1.1 {status} X\r\ncontent-length: {len(body)}\r\n{extra}\r\n".encode() + body
 
 
 async def _serve(handler: Handler) -> tuple[asyncio.Server, str]:
