@@ -93,7 +93,7 @@ class Cluster:
             return "no assignment"
         ends = self.ends()
         for name in sorted(alive):
-            behind = self._node_behind(name, assignment, ends)
+            behind = self.node_behind(name, assignment, ends)
             if behind is not None:
                 return behind
         covered = {
@@ -103,7 +103,7 @@ class Cluster:
             return f"assignment covers {sorted(covered)}, alive {sorted(alive)}"
         return None
 
-    def _node_behind(self, name: str, assignment: Assignment, ends: dict[int, int]) -> str | None:
+    def node_behind(self, name: str, assignment: Assignment, ends: dict[int, int]) -> str | None:
         raw = self.redis.get(self.keys.hosting(name))
         if raw is None:
             return f"{name} reports no hosting"

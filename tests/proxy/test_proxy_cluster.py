@@ -196,14 +196,28 @@ def test_a_lagging_replica_never_answers_beyond_the_budget(cluster, proxy):
             }
             time.sleep(0.2)
         assert lagging, "the paused node never reported lag"
-        # The other live replicas finish reading the new records (a zero budget is exact).
+        # The other live replicas finish reading the new records (a zero budget is exact). Their
+        # stores must reach the broker's end offsets: a report of lag 0 may still be measured
+        # against an end offset read before the produce, and the node's own check would then
+        # see the lag the report did not.
+        ends = cluster.ends()
+        assignment_now = cluster.assignment()
+        others_alive = cluster.alive - {paused}
         deadline = time.monotonic() + 60
+        behind: list[str | None] = [None]
+        while time.monotonic() < deadline:
+            behind = [cluster.node_behind(n, assignment_now, ends) for n in sorted(others_alive)]
+            if not any(behind):
+                break
+            time.sleep(0.2)
+        assert not any(behind), behind
+        deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             others = [
                 replica["lag"]
                 for entry in proxy.status()["stores"]["customers"]["partition_map"]
                 for replica in entry["replicas"]
-                if replica["node"] not in (paused, "b")
+                if replica["node"] in others_alive
             ]
             if others and all(lag == 0 for lag in others):
                 break
