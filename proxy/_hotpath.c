@@ -261,6 +261,7 @@ typedef struct {
 typedef struct {
     PyObject_HEAD
     int enabled;
+    int draining; /* the proxy is stopping: every answer says connection: close */
     int spread;
     Route *routes;
     int route_count;
@@ -527,6 +528,8 @@ static PyMethodDef Hub_methods[] = {
 
 static PyMemberDef Hub_members[] = {
     {"enabled", T_INT, offsetof(Hub, enabled), 0, "0 sends every request the Python way"},
+    {"draining", T_INT, offsetof(Hub, draining), 0,
+     "1 while the proxy stops: answers in flight end their connection (connection: close)"},
     {"in_flight", T_LONGLONG, offsetof(Hub, in_flight), 0, "C-path requests awaiting a node"},
     {"clock_offset_ms", T_LONGLONG, offsetof(Hub, clock_offset_ms), 0,
      "added to the wall clock to read the shared (Redis) time"},
@@ -1242,7 +1245,8 @@ static int answer_fast(UpstreamBase *self, const char *data, Py_ssize_t length) 
     char content_length[48];
     int content_length_length =
         snprintf(content_length, sizeof content_length, "content-length: %zu\r\n", m.body_length);
-    const char *ending = self->keep_alive ? "\r\n" : "connection: close\r\n\r\n";
+    int keep_alive = self->keep_alive && !hub->draining;
+    const char *ending = keep_alive ? "\r\n" : "connection: close\r\n\r\n";
     size_t total = (size_t)PyBytes_GET_SIZE(status_line) + kept +
                    (size_t)PyBytes_GET_SIZE(chosen->provenance) + (size_t)time_lag_length + 14 +
                    (size_t)PyBytes_GET_SIZE(self->request_id) + 2 +
@@ -1266,7 +1270,7 @@ static int answer_fast(UpstreamBase *self, const char *data, Py_ssize_t length) 
     /* Hand the connection back before anything can call into Python. */
     ClientBase *client = self->client;
     self->client = NULL;
-    int client_keep_alive = self->keep_alive;
+    int client_keep_alive = keep_alive;
     double received_at = self->received_at;
     clear_fast_request(self);
     self->busy = 0;

@@ -43,6 +43,7 @@ class Cached:
 
 class Hub:
     enabled: int
+    draining: int  # 1 while the proxy stops: answers say connection: close
     in_flight: int
     clock_offset_ms: int
     request_lines: bytes  # header lines (each ending CRLF) added to every request to a node

@@ -249,6 +249,7 @@ class Exchange:
             received_at=connection.fast_received_at,
             http11=bool(connection.fast_http11),
         )
+        client.adopted(request)
         exchange = cls(
             ctx,
             request,

@@ -94,6 +94,7 @@ class ClientConnection(ClientBase, asyncio.Protocol):
         self._parser = httptools.HttpRequestParser(self)
         self._client_ip = "unknown"
         self._queue: deque[ClientRequest] = deque()
+        self._current: ClientRequest | None = None  # dispatched, not yet answered
         self._queued_bytes = 0
         self._read_paused = False  # the transport's reading is paused (for any reason below)
         self._write_blocked = False  # the client is not taking its answers (back-pressure)
@@ -345,7 +346,7 @@ class ClientConnection(ClientBase, asyncio.Protocol):
             headers=self._headers,
             body=b"".join(self._body),
             client_ip=self._client_ip,
-            keep_alive=parser.should_keep_alive(),
+            keep_alive=parser.should_keep_alive() and not self._listener.closing,
             request_id=request_id or self._listener.hub.next_request_id(),
             received_at=time.perf_counter(),
             http11=parser.get_http_version() != "1.0",
@@ -363,6 +364,7 @@ class ClientConnection(ClientBase, asyncio.Protocol):
 
     def _dispatch(self, request: ClientRequest) -> None:
         self.busy = True
+        self._current = request
         target = request.target
         if not target.startswith("/"):
             if not target:
@@ -390,6 +392,7 @@ class ClientConnection(ClientBase, asyncio.Protocol):
         """The whole answer, or the last bytes of a streamed one; once per dispatched
         request, by the handler or its exchange."""
         self._producer = None
+        self._current = None
         if self.closed or self.transport is None:
             return
         if message:
@@ -417,6 +420,18 @@ class ClientConnection(ClientBase, asyncio.Protocol):
         if self.transport is not None:
             _reset_on_close(self.transport)
             self.transport.abort()
+
+    def adopted(self, request: ClientRequest) -> None:
+        """A request the C path forwarded is now answered the Python way (proxy.exchange)."""
+        self._current = request
+        if self._listener.closing:
+            request.keep_alive = False
+
+    def end_after_this_answer(self) -> None:
+        """The proxy is stopping: the answer being prepared says `connection: close`, so the
+        client does not send its next request on a connection about to end."""
+        if self._current is not None:
+            self._current.keep_alive = False
 
     def after_fast_response(self, keep_alive: bool) -> None:
         """After a response is written (by respond, or by the C path when attention is set):
@@ -628,8 +643,10 @@ class Listener:
         self.closing = True
         if self._server is not None:
             self._server.close()
+        self.hub.draining = 1  # answers the C path has in flight say connection: close too
         for connection in list(self.connections):
             connection.attention = True  # each response end closes its connection
+            connection.end_after_this_answer()
             connection.close_if_idle()
         deadline = self.clock() + timeout_s
         while any(c.busy for c in self.connections) and self.clock() < deadline:  # noqa: ASYNC110

@@ -136,6 +136,22 @@ def reserve_port(host: str, port: int) -> socket.socket:
     return sock
 
 
+def listen_admin(host: str, port: int) -> socket.socket:
+    """The admin port, bound and listening (uvicorn serves on it), or OSError if taken."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 @dataclass
 class Backoff:
     """When to restart a worker that exited: at once, unless it keeps exiting soon after it
@@ -222,6 +238,21 @@ class Supervisor:
             shutil.rmtree(self._sockets, ignore_errors=True)
             return EXIT_BIND
         port = int(reservation.getsockname()[1])
+        try:
+            admin_socket = listen_admin(settings.admin_host, settings.admin_port)
+        except OSError as exc:
+            # Before any worker starts: a taken admin port must not start workers that the
+            # supervisor then has to stop.
+            log.error(
+                "cannot listen on the admin port (is it taken? set KROUTE_ADMIN_PORT)",
+                host=settings.admin_host,
+                port=settings.admin_port,
+                error=exc.strerror or str(exc),
+            )
+            reservation.close()
+            shutil.rmtree(self._sockets, ignore_errors=True)
+            return EXIT_BIND
+        admin_port = int(admin_socket.getsockname()[1])
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, self._stopping.set)
@@ -232,16 +263,16 @@ class Supervisor:
                 token=settings.admin_token.get_secret_value() if settings.admin_token else None,
             ),
             host=settings.admin_host,
-            port=settings.admin_port,
+            port=admin_port,
         )
-        serving_admin = asyncio.create_task(admin.serve())
+        serving_admin = asyncio.create_task(admin.serve(sockets=[admin_socket]))
         keepers = [asyncio.create_task(self._keep_running(slot, port)) for slot in self.slots]
         watchdog = asyncio.create_task(self._watch_for_hung_workers())
         log.info(
             "proxy supervisor started",
             workers=len(self.slots),
             data_url=f"http://{settings.host}:{port}",
-            admin_url=f"http://{settings.admin_host}:{settings.admin_port}",
+            admin_url=f"http://{settings.admin_host}:{admin_port}",
         )
         try:
             await self._stopping.wait()
@@ -254,6 +285,7 @@ class Supervisor:
             for slot in self.slots:
                 await slot.client.aclose()
             reservation.close()
+            admin_socket.close()
             shutil.rmtree(self._sockets, ignore_errors=True)
             log.info("proxy supervisor stopped", all_workers_drained=clean)
         return EXIT_OK if clean else EXIT_UNCLEAN

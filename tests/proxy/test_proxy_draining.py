@@ -8,7 +8,8 @@ holds all of them, and sends the proxy SIGTERM:
 
   - the listening socket closes at once: a new connection is refused;
   - an idle kept-alive client connection is closed;
-  - every request in flight gets its own answer, then its connection is closed;
+  - every request in flight gets its own answer, saying `connection: close`, then its
+    connection is closed;
   - the process exits 0 once they are answered, and logs that none was left unfinished;
   - requests still running when KROUTE_SHUTDOWN_TIMEOUT_S runs out are cut (the client sees
     its connection end without an answer, never someone else's), the process exits 0 on time
@@ -239,6 +240,9 @@ def test_sigterm_answers_requests_in_flight_refuses_new_ones_and_exits_0(
         assert (one.response.status, one.response.echo_id) == (200, one.rid)
         assert json.loads(one.response.body)["id"] == one.rid
         assert one.closed_after, f"{one.rid}: kept alive by a proxy that is stopping"
+        # ... and it said so: a client that read no `connection: close` may send its next
+        # request on a connection that is about to end.
+        assert one.response.header("connection") == "close", (one.rid, one.response.headers)
         assert one.answered_at <= exited
     # It waited for them (the node held each for delay_s) and no longer than it had to.
     assert exited - signalled >= delay_s / 2, exited - signalled

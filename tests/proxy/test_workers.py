@@ -459,6 +459,28 @@ def test_a_taken_port_stops_the_parent_before_any_worker_starts(cluster, tmp_pat
         assert "proxy supervisor started" not in process.log_tail()
 
 
+def test_a_taken_admin_port_stops_the_parent_before_any_worker_starts(cluster, tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        process = cluster.embedded.start_process(
+            "proxy-taken-admin-port",
+            [sys.executable, "-m", "proxy"],
+            env={
+                **os.environ,
+                "KROUTE_REDIS_URL": cluster.redis_url,
+                "KROUTE_PORT": str(free_port()),
+                "KROUTE_ADMIN_PORT": str(taken.getsockname()[1]),
+                "KROUTE_WORKERS": "2",
+            },
+        )
+        assert process.popen.wait(timeout=20) == 3
+        log_tail = process.log_tail(40)
+        assert "cannot listen on the admin port" in log_tail
+        assert "proxy supervisor started" not in log_tail
+        assert "proxy listening" not in log_tail, "a worker was started"
+
+
 # -- the parts, without processes ----------------------------------------------------------------
 
 
