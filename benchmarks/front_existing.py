@@ -32,7 +32,7 @@ from typing import Any
 from urllib.parse import quote, urlsplit
 
 from benchmarks.results_file import git_revision, machine_notes, write_json, write_section
-from benchmarks.sampling import cpu_and_rss, process_tree
+from benchmarks.sampling import tree_cpu_and_rss
 from kroute.embedded import EmbeddedServices
 from tests.adapters.faust_cluster import (
     FaustCluster,
@@ -139,7 +139,8 @@ async def _load(
 
 
 def _cpu_s(pids: list[int]) -> float:
-    return sum(cpu_and_rss(pid)[0] for root in pids for pid in process_tree(root))
+    # Exited and reaped descendants count too (a worker's short-lived children).
+    return sum(tree_cpu_and_rss(root)[0] for root in pids)
 
 
 def measure(
