@@ -13,6 +13,13 @@ Rules, in the order they are applied to every partition (KIP-441 in spirit):
    more than one. An active moves only onto a replica that is caught up (lag <= `caught_up_lag`),
    by swapping roles, while active counts differ by more than one: a new replica is warmed up
    before it is counted on.
+5. Warm-up replicas (KIP-441's `max.warmup.replicas`), only when no standbys are kept: with
+   `standbys=0` no replica exists that could catch up, so a node that joins would never take an
+   active. While actives differ by two or more, up to `max_warmups` extra standbys are placed on
+   the nodes with the fewest actives, for partitions active on the nodes with the most; each is
+   placed again every round (the same inputs place the same ones) until it is caught up and
+   rule 4 swaps it in; the old active is then an extra standby, trimmed the next round. (They
+   are placed between rule 4's two steps, so a caught-up one is swapped in the same round.)
 Ties are broken by node id, so the same inputs always give the same assignment.
 
 Cost: every node's load is counted once and kept current as placements change (`_Loads`), and
@@ -120,6 +127,7 @@ def compute_assignment(
     now_ms: int,
     leader: str,
     caught_up_lag: int = 0,
+    max_warmups: int = 2,
 ) -> Assignment:
     alive = sorted(n for n, m in members.items() if m.alive)
     holders = set(alive) | {
@@ -136,6 +144,8 @@ def compute_assignment(
         _top_up_or_trim(placement, wanted_standbys, alive, loads)
     if alive:
         _balance_standbys(placements, alive, loads)
+        if wanted_standbys == 0:
+            _warm_up(placements, alive, loads, max_warmups)
         _balance_actives(placements, alive, lag, caught_up_lag, loads)
     generation = (previous.generation if previous else 0) + 1
     stores_out: dict[str, dict[int, PartitionAssignment]] = {}
@@ -229,6 +239,41 @@ def _balance_standbys(
         loads.moving(placement)
         placement.standbys[placement.standbys.index(heaviest)] = lightest
         loads.moved(placement)
+
+
+def _warm_up(
+    placements: dict[PartitionId, _Placement], alive: list[str], loads: _Loads, max_warmups: int
+) -> None:
+    """Place up to `max_warmups` standbys, each for an active that balancing should move: on
+    the live node with the fewest actives, for a partition active on the one with the most,
+    while the two differ by two or more (counting the moves already planned)."""
+    in_order = sorted(placements.items())
+    actives = {node: count for node, (count, _) in loads.of(alive).items()}
+    planned: set[PartitionId] = set()
+    for _ in range(max_warmups):
+        heaviest = max(alive, key=lambda n: (actives[n], n))
+        lightest = min(alive, key=lambda n: (actives[n], n))
+        if actives[heaviest] - actives[lightest] < 2:
+            return
+        found = next(
+            (
+                (pid, placement)
+                for pid, placement in in_order
+                if placement.active == heaviest
+                and lightest not in placement.replicas()
+                and pid not in planned
+            ),
+            None,
+        )
+        if found is None:
+            return
+        pid, placement = found
+        loads.moving(placement)
+        placement.standbys.append(lightest)
+        loads.moved(placement)
+        planned.add(pid)
+        actives[heaviest] -= 1  # as if moved: the next warm-up serves the next gap
+        actives[lightest] += 1
 
 
 def _balance_actives(

@@ -94,6 +94,11 @@ def holders(members):
     return {n for n, m in members.items() if m.alive or NOW - m.dead_since_ms < GRACE}
 
 
+def warm_ups(assignment: Assignment, alive: set[str]) -> int:
+    """Live standbys in all: with `standbys=0`, the warm-up replicas."""
+    return sum(n in alive for _, _, placed in placements(assignment) for n in placed.standbys)
+
+
 def placements(assignment: Assignment):
     for store, parts in assignment.stores.items():
         for partition, placed in parts.items():
@@ -119,7 +124,11 @@ def test_replicas_are_distinct_and_only_on_nodes_that_may_hold_them(cluster):
         # Standbys on nodes in their grace period are kept as they were, even above the count.
         live_standbys = [n for n in placed.standbys if n in alive]
         wanted = max(0, min(cluster.standbys, len(holders(cluster.members)) - 1))
-        assert len(live_standbys) <= wanted
+        if wanted:
+            assert len(live_standbys) <= wanted
+    if not max(0, min(cluster.standbys, len(holders(cluster.members)) - 1)):
+        # Without standbys, only warm-up replicas (or the actives they replaced): two at most.
+        assert warm_ups(result, alive) <= 2
 
 
 @settings(max_examples=300)
@@ -179,7 +188,7 @@ def skewed_clusters(draw):
     balancing moves anything, and only onto standbys within `caught_up_lag`."""
     nodes = NODE_IDS[: draw(st.integers(2, 6))]
     partitions = draw(st.integers(1, 12))
-    standbys = draw(st.integers(1, 2))
+    standbys = draw(st.integers(0, 2))
     heavy = nodes[: draw(st.integers(1, len(nodes) - 1))]
     placed = {}
     for p in range(partitions):
@@ -386,3 +395,58 @@ def test_nodes_joining_one_by_one_end_up_with_balanced_actives_once_caught_up():
     replicas = Counter(n for placed in assignment.stores["s"].values() for n in placed.replicas())
     assert sorted(actives.values()) == [2, 2, 2]
     assert sorted(replicas.values()) == [4, 4, 4]
+
+
+@settings(max_examples=300)
+@given(skewed_clusters())
+def test_without_standbys_an_imbalance_gets_warm_ups_and_never_more_than_two(cluster):
+    if cluster.standbys:
+        return
+    result = assign(cluster)
+    alive = set(cluster.members)
+    counts = active_counts(cluster, result)
+    assert warm_ups(result, alive) <= 2
+    if max(counts.values()) - min(counts.values()) >= 2:
+        assert warm_ups(result, alive) >= 1, "unbalanced, and nothing is warming up"
+    assert assign(cluster, previous=result) == result  # placed again, the same, every round
+
+
+def test_without_standbys_a_joining_node_takes_its_share_once_its_warm_ups_caught_up():
+    """KROUTE_STANDBYS=0: a node that joins gets warm-up replicas (two at a time), each
+    takes its active over once caught up, and no replica is left over at the end."""
+    members = {n: Member(n, alive=True) for n in ("a", "b")}
+    assignment = compute_assignment(
+        {"s": 6}, members, None, {}, standbys=0, grace_ms=GRACE, now_ms=NOW, leader="a"
+    )
+    members["c"] = Member("c", alive=True)
+
+    def round_(lag_of_c: int) -> Assignment:
+        lag = {
+            ("s", p, n): lag_of_c if n == "c" else 0
+            for p, placed in assignment.stores["s"].items()
+            for n in placed.replicas()
+        }
+        return compute_assignment(
+            {"s": 6},
+            members,
+            assignment,
+            lag,
+            standbys=0,
+            grace_ms=GRACE,
+            now_ms=NOW,
+            leader="a",
+            caught_up_lag=10,
+        )
+
+    assignment = round_(0)
+    warming = [p for p, placed in assignment.stores["s"].items() if placed.standbys == ("c",)]
+    assert len(warming) == 2, assignment.stores
+    assert Counter(placed.active for placed in assignment.stores["s"].values())["c"] == 0
+    # Behind: nothing moves, and the assignment stays as it is (no new generation).
+    behind = round_(11)
+    assert behind == assignment
+    for _ in range(4):  # caught up: the warm-ups take over, the old actives are trimmed
+        assignment = round_(0)
+    actives = Counter(placed.active for placed in assignment.stores["s"].values())
+    assert sorted(actives.values()) == [2, 2, 2]
+    assert warm_ups(assignment, set(members)) == 0
