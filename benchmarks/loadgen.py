@@ -21,6 +21,7 @@ import asyncio
 import itertools
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -185,3 +186,30 @@ async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
 
 def cycle_requests(paths: list[str], make: Callable[[str], Request] = Request) -> Iterator[Request]:
     return (make(path) for path in itertools.cycle(paths))
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The value at quantile `q` (the rank below, no interpolation), to 0.1; None if none."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 1)
+
+
+def latency_figures(latencies: list[float]) -> dict[str, float | None]:
+    """p50, p99 and max of latencies in ms (None where there are none), as reports show them."""
+    return {
+        "p50_ms": percentile(latencies, 0.5),
+        "p99_ms": percentile(latencies, 0.99),
+        "max_ms": round(max(latencies), 1) if latencies else None,
+    }
+
+
+def failures(outcomes: list[Outcome]) -> list[Outcome]:
+    """The outcomes that were not a 200 (no answer at all included)."""
+    return [o for o in outcomes if o.status != 200]
+
+
+def failures_by_status(outcomes: list[Outcome]) -> dict[str, int]:
+    """How many of the outcomes failed with each status ("0": no answer)."""
+    return dict(Counter(str(o.status) for o in failures(outcomes)))

@@ -39,12 +39,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from confluent_kafka import Producer
 
-from benchmarks.loadgen import Outcome
+from benchmarks.loadgen import Outcome, failures, latency_figures, percentile
 from benchmarks.proxy_bench import metric_sum
 from benchmarks.results_file import git_revision, machine_notes, write_json, write_section
-from benchmarks.system_bench import (
+from benchmarks.system.harness import (
     CUSTOMERS,
     PARTITIONS,
     TOPIC,
@@ -55,13 +54,12 @@ from benchmarks.system_bench import (
     key_samples,
     most_active,
     partition_of,
-    percentile,
     say,
     start_bench,
     steady_load,
-    timeline,
-    window_figures,
 )
+from benchmarks.system.survive import timeline, window_figures
+from kroute.cluster_harness import keyed_producer
 from kroute.embedded import EmbeddedServices
 from kroute.proxies import ProxyHandle, start_proxy
 
@@ -191,10 +189,8 @@ def steady_figures(
     latencies = [o.latency_ms for o in inside]
     return {
         "requests": len(inside),
-        "failed": sum(o.status != 200 for o in inside),
-        "p50_ms": percentile(latencies, 0.5),
-        "p99_ms": percentile(latencies, 0.99),
-        "max_ms": round(max(latencies), 1) if latencies else None,
+        "failed": len(failures(inside)),
+        **latency_figures(latencies),
         "metrics": metrics,
         "hedge_share": round(metrics["hedges_sent"] / max(metrics["responses"], 1), 4),
     }
@@ -234,9 +230,7 @@ class RywWriter(threading.Thread):
     def __init__(self, number: int, bootstrap: str, proxy_url: str, until: float) -> None:
         super().__init__(name=f"ryw-{number}", daemon=True)
         self.number, self.proxy_url, self.until = number, proxy_url, until
-        self.producer = Producer(
-            {"bootstrap.servers": bootstrap, "partitioner": "murmur2_random", "linger.ms": 0}
-        )
+        self.producer = keyed_producer(bootstrap, linger_ms=0)
         self.keys = [f"ryw-{number}-{i}" for i in range(10)]
         self.samples: list[dict[str, Any]] = []
 

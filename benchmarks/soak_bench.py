@@ -28,23 +28,22 @@ import signal
 import sys
 import tempfile
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from benchmarks.loadgen import failures, failures_by_status, percentile
 from benchmarks.results_file import git_revision, machine_notes, write_json, write_section
-from benchmarks.system_bench import (
+from benchmarks.system.harness import (
     NODE_NAMES,
     Bench,
     SteadyWriter,
     key_samples,
-    per_minute,
-    percentile,
     say,
-    spark_jvm,
     start_bench,
     steady_load,
 )
+from benchmarks.system.soak import per_minute
+from kroute.cluster_harness import spark_jvm_pid
 from kroute.embedded import EmbeddedServices
 
 COMPONENTS = ("proxy", "node-a", "node-b", "node-c", "redis", "broker")
@@ -53,7 +52,7 @@ COMPONENTS = ("proxy", "node-a", "node-b", "node-c", "redis", "broker")
 def kill_and_restart(bench: Bench, name: str, down_s: float) -> dict[str, Any]:
     """kill -9 node `name` and its JVM, wait `down_s`, restart it on its store, wait settled."""
     node = bench.nodes[name]
-    jvm = spark_jvm(node)
+    jvm = spark_jvm_pid(node)
     killed_at = time.time()
     node.process.signal(signal.SIGKILL)
     with contextlib.suppress(ProcessLookupError):
@@ -107,7 +106,7 @@ def soak(bench: Bench, minutes: int, rate: float, kill_every_s: float, down_s: f
         outcomes = load.stop()
         writes.stop()
     outcomes = [o for o in outcomes if o.sent_at - began < minutes * 60]
-    failed = [o for o in outcomes if o.status != 200]
+    failed = failures(outcomes)
     for kill in kills:
         kill["killed_at_s"] = round(kill.pop("killed_at") - began, 1)
         kill["restarted_at_s"] = round(kill.pop("restarted_at") - began, 1)
@@ -119,7 +118,7 @@ def soak(bench: Bench, minutes: int, rate: float, kill_every_s: float, down_s: f
         "down_s": down_s,
         "requests": len(outcomes),
         "failed": len(failed),
-        "failed_by_status": dict(Counter(str(o.status) for o in failed)),
+        "failed_by_status": failures_by_status(outcomes),
         "p99_ms": percentile([o.latency_ms for o in outcomes], 0.99),
         "kills": kills,
         "per_minute": per_minute(outcomes, began, minutes),

@@ -1,8 +1,9 @@
 """The whole product on one machine, as `kroute run` starts it.
 
 Embedded Kafka broker and redis-server, a `bookings` topic, the demo producer, three
-materializer nodes (one standby per partition, the bookings summary transform) and the proxy in
-front of them, all on 127.0.0.1 and all stopped by PID with the launcher. `failover_demo` kills
+materializer nodes (one standby per partition, the bookings summary transform; started by
+kroute.cluster_harness, as the tests and benchmarks start theirs) and the proxy in front of
+them, all on 127.0.0.1 and all stopped by PID with the launcher. `failover_demo` kills
 the node that is active for the most partitions and keeps looking keys up through the proxy.
 """
 
@@ -18,6 +19,12 @@ from typing import Any
 import httpx
 
 from common.java import JavaRuntime
+from kroute.cluster_harness import (
+    NodeCluster,
+    proxy_partition_map,
+    replicas_in_role,
+    wait_steady,
+)
 from kroute.demo import customer_id
 from kroute.embedded import (
     BrokerHandle,
@@ -28,7 +35,7 @@ from kroute.embedded import (
     port_open,
 )
 from kroute.errors import KrouteError
-from kroute.nodes import NodeHandle, start_node
+from kroute.nodes import NodeHandle
 from kroute.proxies import ProxyHandle, start_proxy
 from kroute.settings import RunSettings
 from kroute.topics import create_topics
@@ -56,9 +63,13 @@ class Product:
     broker: BrokerHandle
     redis_server: RedisHandle
     producer: ManagedProcess
-    nodes: dict[str, NodeHandle]
+    cluster: NodeCluster
     proxy: ProxyHandle
     killed: set[str] = field(default_factory=set)
+
+    @property
+    def nodes(self) -> dict[str, NodeHandle]:
+        return self.cluster.nodes
 
     @property
     def status_page(self) -> str:
@@ -127,27 +138,14 @@ def start_product(
         "kroute: starting 3 materializer nodes (each starts Spark on Java "
         f"{java.major}: this takes 15-60 s) ..."
     )
-    nodes = {
-        name: start_node(
-            services,
-            broker.bootstrap_servers,
-            TOPIC,
-            settings.workdir / f"node-{name}",
-            name=name,
-            wait_ready=False,
-            **node_settings(redis_server.url),
-        )
-        for name in NODE_NAMES
-    }
-    for name, node in nodes.items():
-        try:
-            node.wait_ready(timeout_s=max(settings.startup_timeout_s, 180))
-        except (TimeoutError, RuntimeError) as exc:
-            raise KrouteError(
-                f"materializer {name} did not become ready ({exc}); its log is "
-                f"{node.process.log_path} (is the machine short of memory or CPU?)"
-            ) from None
-        say(f"  node {name} ready at {node.url}")
+    cluster = NodeCluster(
+        services, broker.bootstrap_servers, TOPIC, settings.workdir, node_settings(redis_server.url)
+    )
+    cluster.start_all(NODE_NAMES)
+    cluster.wait_ready(
+        timeout_s=max(settings.startup_timeout_s, 180),
+        on_ready=lambda name, node: say(f"  node {name} ready at {node.url}"),
+    )
     say("kroute: starting the proxy ...")
     proxy = start_proxy(
         services,
@@ -160,7 +158,7 @@ def start_product(
         log_level="warning",
         workers=PRODUCT_PROXY_WORKERS,
     )
-    product = Product(services, broker, redis_server, producer, nodes, proxy)
+    product = Product(services, broker, redis_server, producer, cluster, proxy)
     say("kroute: waiting for the first bookings to be materialized ...")
     wait_answering(product, timeout_s=max(settings.startup_timeout_s, 120))
     return product
@@ -168,18 +166,23 @@ def start_product(
 
 def wait_answering(product: Product, timeout_s: float) -> None:
     """Until every sample customer's lookup through the proxy answers 200."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        statuses = [_status(product.proxy, product.lookup_url(c)) for c in SAMPLE_CUSTOMERS]
-        if all(status == 200 for status in statuses):
-            return
-        product.check_running()
-        if time.monotonic() > deadline:
-            raise KrouteError(
-                f"lookups still fail after {timeout_s:.0f} s (statuses {statuses}); "
-                f"see the logs in {product.services.workdir}/"
-            )
-        time.sleep(0.5)
+    statuses: list[int] = []
+
+    def answering() -> bool | None:
+        statuses[:] = [_status(product.proxy, product.lookup_url(c)) for c in SAMPLE_CUSTOMERS]
+        return all(status == 200 for status in statuses) or None
+
+    wait_steady(
+        answering,
+        hold_s=0,
+        poll_s=0.5,
+        timeout_s=timeout_s,
+        check=product.check_running,
+        timeout_error=lambda: KrouteError(
+            f"lookups still fail after {timeout_s:.0f} s (statuses {statuses}); "
+            f"see the logs in {product.services.workdir}/"
+        ),
+    )
 
 
 def _status(proxy: ProxyHandle, url: str) -> int:
@@ -191,16 +194,12 @@ def _status(proxy: ProxyHandle, url: str) -> int:
 
 def partition_map(product: Product) -> list[dict[str, Any]]:
     """The proxy's view of who holds each partition, with lag (its /cluster/status)."""
-    stores = product.proxy.status()["stores"]
-    return list(stores.get(TOPIC, {}).get("partition_map", []))
+    return proxy_partition_map(product.proxy, TOPIC)
 
 
 def active_counts(product: Product) -> Counter[str]:
     """How many partitions each node is active for."""
-    return Counter(
-        r["node"] for entry in partition_map(product) for r in entry["replicas"]
-        if r["role"] == "active"
-    )  # fmt: skip
+    return Counter(node for _, node in replicas_in_role(partition_map(product), "active"))
 
 
 def standbys_in_budget(product: Product) -> bool:

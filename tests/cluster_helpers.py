@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import time
+import contextlib
 import uuid
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import redis
-from confluent_kafka import Producer
 
 from common.contract import (
     Assignment,
@@ -20,8 +21,9 @@ from common.contract import (
     decode_report,
     lag_field,
 )
+from kroute.cluster_harness import NodeCluster, keyed_producer, wait_steady
 from kroute.embedded import BrokerHandle, EmbeddedServices, RedisHandle
-from kroute.nodes import NodeHandle, start_node
+from kroute.proxies import ProxyHandle, start_proxy
 from kroute.topics import create_topics
 from materializer.kafka_offsets import end_offsets
 from partitioner import partition
@@ -30,16 +32,13 @@ PARTITIONS = 6
 NODE_NAMES = ("a", "b", "c")
 
 
-@dataclass
-class Cluster:
-    services: EmbeddedServices
-    bootstrap: str
-    topic: str
+@dataclass(kw_only=True)
+class Cluster(NodeCluster):
+    """The nodes (data directories `workdir / name`), their cluster's Redis and contract keys,
+    and which node a test has killed (`dead`)."""
+
     redis: redis.Redis
     keys: Keys
-    settings: dict[str, str]
-    workdir: Path
-    nodes: dict[str, NodeHandle]
     redis_server: RedisHandle
     dead: str = ""
 
@@ -52,24 +51,9 @@ class Cluster:
         assert raw is not None, "no assignment yet"
         return decode_assignment(raw)
 
-    def start(self, name: str) -> NodeHandle:
-        node = start_node(
-            self.services,
-            self.bootstrap,
-            self.topic,
-            self.workdir / name,
-            name=name,
-            wait_ready=False,
-            **self.settings,
-        )
-        self.nodes[name] = node
-        return node
-
     def produce(self, count: int, tag: str) -> Counter[int]:
         """`count` records with fresh keys; how many went to each partition."""
-        producer = Producer(
-            {"bootstrap.servers": self.bootstrap, "partitioner": "murmur2_random", "linger.ms": 5}
-        )
+        producer = keyed_producer(self.bootstrap, linger_ms=5)
         per_partition: Counter[int] = Counter()
         for i in range(count):
             key = f"{tag}-{i}".encode()
@@ -122,30 +106,34 @@ class Cluster:
 
     def wait_settled(self, alive: set[str], timeout_s: float = 180) -> Assignment:
         """Until settled() has held, on one generation, for several leader rounds."""
-        deadline = time.monotonic() + timeout_s
-        stable_since: tuple[int, float] | None = None
-        while time.monotonic() < deadline:
-            for name in alive:
-                assert self.nodes[name].process.is_running(), self.nodes[name].process.log_tail(30)
-            if not self.settled(alive):
-                stable_since = None
-            else:
-                generation = self.assignment().generation
-                if stable_since is None or stable_since[0] != generation:
-                    stable_since = (generation, time.monotonic())
-                elif time.monotonic() - stable_since[1] > 2.0:
-                    return self.assignment()
-            time.sleep(0.3)
-        raise AssertionError(f"cluster did not settle: {self.redis.get(self.keys.assignment)}")
+        wait_steady(
+            lambda: self.assignment().generation if self.settled(alive) else None,
+            hold_s=2.0,
+            poll_s=0.3,
+            timeout_s=timeout_s,
+            check=lambda: self.check_running(sorted(alive)),
+            timeout_error=lambda: AssertionError(
+                f"cluster did not settle: {self.redis.get(self.keys.assignment)}"
+            ),
+        )
+        return self.assignment()
 
 
 def build_cluster(
-    embedded: EmbeddedServices, broker: BrokerHandle, workdir: Path, grace_s: float, **extra: str
+    embedded: EmbeddedServices,
+    broker: BrokerHandle,
+    workdir: Path,
+    grace_s: float,
+    *,
+    names: tuple[str, ...] = NODE_NAMES,
+    seed: int = 1200,
+    prefix: str = "test",
+    **extra: str,
 ) -> Cluster:
-    """Three nodes (not yet ready) on a fresh topic with 1,200 seed records, own redis;
-    `extra`: more node settings (KROUTE_* names without the prefix)."""
+    """`names` nodes (not yet ready) on a fresh topic with `seed` records (keys seed-0, ...),
+    own redis; `extra`: more node settings (KROUTE_* names without the prefix)."""
     redis_server = embedded.start_redis()  # its own: tests restart it
-    name = f"test-{uuid.uuid4().hex[:8]}"
+    name = f"{prefix}-{uuid.uuid4().hex[:8]}"
     topic = f"cluster-{name}"
     create_topics(broker.bootstrap_servers, {topic: PARTITIONS})
     settings = {
@@ -163,38 +151,60 @@ def build_cluster(
         embedded,
         broker.bootstrap_servers,
         topic,
-        redis.Redis.from_url(redis_server.url),
-        Keys(name),
-        settings,
         workdir,
-        {},
-        redis_server,
+        settings,
+        dir_prefix="",
+        redis=redis.Redis.from_url(redis_server.url),
+        keys=Keys(name),
+        redis_server=redis_server,
     )
-    built.produce(1200, "seed")
-    for node_name in NODE_NAMES:
-        built.start(node_name)
+    built.produce(seed, "seed")
+    built.start_all(names)
     return built
 
 
 def stop_cluster(cluster: Cluster) -> None:
-    for node in cluster.nodes.values():
-        node.process.stop()
-        node.close()
+    cluster.stop()
     cluster.redis.close()
     cluster.redis_server.process.stop()
 
 
-def spark_jvm_pid(node: NodeHandle) -> int:
-    """The node's Spark JVM: a child of whichever of its threads started Spark."""
-    children = [
-        child
-        for task in Path(f"/proc/{node.process.pid}/task").iterdir()
-        for child in (task / "children").read_text().split()
-    ]
-    for child in children:
-        if "java" in Path(f"/proc/{child}/cmdline").read_bytes().decode(errors="replace"):
-            return int(child)
-    raise AssertionError(f"no JVM among the children of node {node.process.name}: {children}")
+@contextlib.contextmanager
+def running_cluster(
+    embedded: EmbeddedServices, broker: BrokerHandle, workdir: Path, grace_s: float, **options: Any
+) -> Iterator[Cluster]:
+    """build_cluster's cluster (same arguments), stopped on exit: a module fixture's body."""
+    built = build_cluster(embedded, broker, workdir, grace_s, **options)
+    try:
+        yield built
+    finally:
+        stop_cluster(built)
+
+
+@contextlib.contextmanager
+def cluster_proxy(
+    embedded: EmbeddedServices,
+    cluster: Cluster,
+    *,
+    name: str | None = None,
+    wait_ready: bool = True,
+    **settings: str,
+) -> Iterator[ProxyHandle]:
+    """A proxy in front of `cluster` (named after it unless `name`), stopped on exit;
+    `settings`: KROUTE_* names without the prefix."""
+    handle = start_proxy(
+        embedded,
+        cluster.redis_server.url,
+        name=name or f"proxy-{cluster.keys.cluster}",
+        cluster=cluster.keys.cluster,
+        wait_ready=wait_ready,
+        **settings,
+    )
+    try:
+        yield handle
+    finally:
+        handle.process.stop()
+        handle.close()
 
 
 def reported_lag(cluster: Cluster, name: str, partitions: list[int]) -> dict[int, int | None]:

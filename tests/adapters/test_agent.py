@@ -18,10 +18,10 @@ from typing import Any
 import httpx
 import pytest
 import redis
-from confluent_kafka import Producer
 
 from common.contract import Keys, StoreInfo, decode_assignment, decode_hosting, decode_report
 from kroute.agent import merged_assignment
+from kroute.cluster_harness import keyed_producer
 from kroute.contract_check import check
 from kroute.embedded import BrokerHandle, EmbeddedServices, ManagedProcess, RedisHandle, free_port
 from kroute.proxies import ProxyHandle, start_proxy
@@ -78,9 +78,7 @@ class Deployment:
             return False
 
     def produce(self, count: int, tag: str, keys: list[str] | None = None) -> None:
-        producer = Producer(
-            {"bootstrap.servers": self.bootstrap, "partitioner": "murmur2_random", "linger.ms": 5}
-        )
+        producer = keyed_producer(self.bootstrap, linger_ms=5)
         for i in range(count):
             key = keys[i % len(keys)] if keys else f"{tag}-{i}"
             value = len(self.truth) * 1000 + i

@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 import random
 
-from confluent_kafka import Producer
-
+from kroute.cluster_harness import keyed_producer
 from kroute.nodes import NodeHandle
 from tests.kafka_helpers import read_topic
 
@@ -23,9 +22,7 @@ def produce_customers(
 ) -> None:
     """Keyed JSON records with updates, tombstones and some malformed values (murmur2 keys)."""
     rng = random.Random(seed)
-    producer = Producer(
-        {"bootstrap.servers": bootstrap, "partitioner": "murmur2_random", "linger.ms": 5}
-    )
+    producer = keyed_producer(bootstrap, linger_ms=5)
     bad_at = set(rng.sample(range(count), malformed)) if malformed else set()
     for i in range(count):
         key = f"customer-{rng.randrange(keys)}".encode()

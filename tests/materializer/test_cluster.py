@@ -15,15 +15,14 @@ from collections.abc import Iterator
 import pytest
 
 from common.contract import Assignment
+from kroute.cluster_harness import spark_jvm_pid
 from partitioner import partition
 from tests.cluster_helpers import (
     NODE_NAMES,
     PARTITIONS,
     Cluster,
-    build_cluster,
     reported_lag,
-    spark_jvm_pid,
-    stop_cluster,
+    running_cluster,
 )
 
 pytestmark = pytest.mark.integration
@@ -33,11 +32,8 @@ GRACE_S = 8
 
 @pytest.fixture(scope="module")
 def cluster(embedded, broker, tmp_path_factory) -> Iterator[Cluster]:
-    built = build_cluster(embedded, broker, tmp_path_factory.mktemp("cluster"), GRACE_S)
-    try:
+    with running_cluster(embedded, broker, tmp_path_factory.mktemp("cluster"), GRACE_S) as built:
         yield built
-    finally:
-        stop_cluster(built)
 
 
 def test_three_nodes_share_the_partitions_one_active_one_standby_each(cluster):

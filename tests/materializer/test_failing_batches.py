@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
-from confluent_kafka import Producer
 
+from kroute.cluster_harness import keyed_producer
 from kroute.nodes import NodeHandle, start_node
 from kroute.topics import create_topics
 from materializer.kafka_offsets import end_offsets
@@ -28,9 +28,7 @@ def ends_of(bootstrap: str, topic: str) -> dict[int, int]:
 
 
 def produce(bootstrap: str, topic: str, keys: range, poison_at: int | None = None) -> None:
-    producer = Producer(
-        {"bootstrap.servers": bootstrap, "partitioner": "murmur2_random", "linger.ms": 5}
-    )
+    producer = keyed_producer(bootstrap, linger_ms=5)
     for n in keys:
         value = POISON if n == poison_at else json.dumps({"n": n}).encode()
         producer.produce(topic, key=f"k{n}".encode(), value=value)

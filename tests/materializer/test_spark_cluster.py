@@ -28,6 +28,7 @@ import pytest
 import redis
 
 from common.contract import Keys, decode_assignment, decode_report
+from kroute.cluster_harness import keyed_producer
 from kroute.embedded import BrokerHandle, EmbeddedServices, RedisHandle, free_port
 from kroute.nodes import NodeHandle, start_node
 from kroute.spark_cluster import SparkStandaloneCluster, spark_standalone_cluster
@@ -247,13 +248,9 @@ class Writer:
     """Writes keyed records (unique tag, numbered) every few milliseconds until stopped."""
 
     def __init__(self, bootstrap: str, topic: str, tag: str) -> None:
-        from confluent_kafka import Producer  # noqa: PLC0415
-
         self.tag = tag
         self.sent = 0
-        self._producer = Producer(
-            {"bootstrap.servers": bootstrap, "partitioner": "murmur2_random", "linger.ms": 5}
-        )
+        self._producer = keyed_producer(bootstrap, linger_ms=5)
         self._topic = topic
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)

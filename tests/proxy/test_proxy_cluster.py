@@ -16,16 +16,16 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from kroute.proxies import ProxyHandle, start_proxy
+from kroute.cluster_harness import spark_jvm_pid
+from kroute.proxies import ProxyHandle
 from partitioner import partition
 from tests.browser import rendered_dom, screenshot
 from tests.cluster_helpers import (
     NODE_NAMES,
     PARTITIONS,
     Cluster,
-    build_cluster,
-    spark_jvm_pid,
-    stop_cluster,
+    cluster_proxy,
+    running_cluster,
 )
 from tests.proxy.test_proxy_loopback import Load
 
@@ -37,30 +37,21 @@ SEED_KEYS = [f"seed-{i}" for i in range(0, 1200, 7)]
 
 @pytest.fixture(scope="module")
 def cluster(embedded, broker, tmp_path_factory) -> Iterator[Cluster]:
-    built = build_cluster(embedded, broker, tmp_path_factory.mktemp("proxied"), GRACE_S)
-    try:
+    with running_cluster(embedded, broker, tmp_path_factory.mktemp("proxied"), GRACE_S) as built:
         yield built
-    finally:
-        stop_cluster(built)
 
 
 @pytest.fixture(scope="module")
 def proxy(embedded, cluster) -> Iterator[ProxyHandle]:
-    handle = start_proxy(
+    with cluster_proxy(
         embedded,
-        cluster.redis_server.url,
-        name=f"proxy-{cluster.keys.cluster}",
-        cluster=cluster.keys.cluster,
+        cluster,
         refresh_interval_ms="200",
         eject_ms="500",
         probe_interval_ms="100",
         wait_ready=False,
-    )
-    try:
+    ) as handle:
         yield handle
-    finally:
-        handle.process.stop()
-        handle.close()
 
 
 def active_of(cluster: Cluster, key: str) -> tuple[int, str]:
@@ -177,6 +168,33 @@ def zero_lag_replicas(proxy: ProxyHandle, dead: str) -> dict[int, set[str]]:
     }
 
 
+def wait_until_caught_up(cluster, proxy: ProxyHandle, nodes: set[str]) -> None:
+    """Until `nodes` have read to the broker's end offsets and the proxy shows them at lag 0.
+    Reports of lag 0 alone do not do: one may be measured against an end offset read before
+    the last produce, and the node's own check would then see the lag the report did not."""
+    ends = cluster.ends()
+    assignment = cluster.assignment()
+    deadline = time.monotonic() + 60
+    behind: list[str | None] = [None]
+    while time.monotonic() < deadline:
+        behind = [cluster.node_behind(n, assignment, ends) for n in sorted(nodes)]
+        if not any(behind):
+            break
+        time.sleep(0.2)
+    assert not any(behind), behind
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        lags = [
+            replica["lag"]
+            for entry in proxy.status()["stores"]["customers"]["partition_map"]
+            for replica in entry["replicas"]
+            if replica["node"] in nodes
+        ]
+        if lags and all(lag == 0 for lag in lags):
+            return
+        time.sleep(0.2)
+
+
 def test_a_lagging_replica_never_answers_beyond_the_budget(cluster, proxy):
     paused = "a"
     assignment = cluster.assignment()
@@ -196,32 +214,8 @@ def test_a_lagging_replica_never_answers_beyond_the_budget(cluster, proxy):
             }
             time.sleep(0.2)
         assert lagging, "the paused node never reported lag"
-        # The other live replicas finish reading the new records (a zero budget is exact). Their
-        # stores must reach the broker's end offsets: a report of lag 0 may still be measured
-        # against an end offset read before the produce, and the node's own check would then
-        # see the lag the report did not.
-        ends = cluster.ends()
-        assignment_now = cluster.assignment()
-        others_alive = cluster.alive - {paused}
-        deadline = time.monotonic() + 60
-        behind: list[str | None] = [None]
-        while time.monotonic() < deadline:
-            behind = [cluster.node_behind(n, assignment_now, ends) for n in sorted(others_alive)]
-            if not any(behind):
-                break
-            time.sleep(0.2)
-        assert not any(behind), behind
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            others = [
-                replica["lag"]
-                for entry in proxy.status()["stores"]["customers"]["partition_map"]
-                for replica in entry["replicas"]
-                if replica["node"] in others_alive
-            ]
-            if others and all(lag == 0 for lag in others):
-                break
-            time.sleep(0.2)
+        # The other live replicas finish reading the new records (a zero budget is exact).
+        wait_until_caught_up(cluster, proxy, cluster.alive - {paused})
         # Who may answer within a zero budget, per partition: the live replicas whose lag the
         # proxy's table says is 0 now (the paused node's reports only grow once the producer
         # stopped). A partition with none must be refused; one with any must be answered.

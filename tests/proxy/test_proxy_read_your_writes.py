@@ -24,15 +24,15 @@ import pytest
 from confluent_kafka import Producer
 
 from common.contract import decode_report, lag_field
-from kroute.proxies import ProxyHandle, start_proxy
+from kroute.cluster_harness import keyed_producer, spark_jvm_pid
+from kroute.proxies import ProxyHandle
 from partitioner import partition
 from tests.cluster_helpers import (
     NODE_NAMES,
     PARTITIONS,
     Cluster,
-    build_cluster,
-    spark_jvm_pid,
-    stop_cluster,
+    cluster_proxy,
+    running_cluster,
 )
 
 pytestmark = pytest.mark.integration
@@ -46,33 +46,24 @@ WAIT_MS = 1500
 
 @pytest.fixture(scope="module")
 def cluster(embedded, broker, tmp_path_factory) -> Iterator[Cluster]:
-    built = build_cluster(
+    with running_cluster(
         embedded, broker, tmp_path_factory.mktemp("ryw"), 120, min_offset_wait_ms=str(WAIT_MS)
-    )
-    try:
+    ) as built:
         yield built
-    finally:
-        stop_cluster(built)
 
 
 @pytest.fixture(scope="module")
 def proxy(embedded, cluster) -> Iterator[ProxyHandle]:
-    handle = start_proxy(
+    with cluster_proxy(
         embedded,
-        cluster.redis_server.url,
-        name=f"proxy-{cluster.keys.cluster}",
-        cluster=cluster.keys.cluster,
+        cluster,
         refresh_interval_ms="200",
         eject_ms="500",
         probe_interval_ms="100",
         upstream_timeout_ms=str(UPSTREAM_TIMEOUT_MS),
         wait_ready=False,
-    )
-    try:
+    ) as handle:
         yield handle
-    finally:
-        handle.process.stop()
-        handle.close()
 
 
 @dataclass
@@ -86,9 +77,7 @@ class Writer:
     latencies: list[float] = field(default_factory=list)  # ack -> answer holding the write, s
 
     def __post_init__(self) -> None:
-        self.producer = Producer(
-            {"bootstrap.servers": self.cluster.bootstrap, "partitioner": "murmur2_random"}
-        )
+        self.producer = keyed_producer(self.cluster.bootstrap)
 
     def write(self) -> tuple[str, int, float]:
         """(unique id, the record's offset, when it was acknowledged)."""

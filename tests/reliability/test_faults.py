@@ -22,6 +22,7 @@ import boto3
 import httpx
 import pytest
 
+from kroute.cluster_harness import spark_jvm_pid
 from kroute.embedded import BrokerHandle, EmbeddedServices, free_port, port_open
 from kroute.proxies import ProxyHandle, start_proxy
 from partitioner import partition
@@ -30,7 +31,6 @@ from tests.cluster_helpers import (
     PARTITIONS,
     Cluster,
     build_cluster,
-    spark_jvm_pid,
     stop_cluster,
 )
 from tests.reliability.traffic import Outcome, Readers, Writer, failures

@@ -16,21 +16,17 @@ from __future__ import annotations
 import os
 import signal
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import redis
 
-from common.contract import Keys
-from kroute.embedded import BrokerHandle, EmbeddedServices
-from kroute.proxies import ProxyHandle, start_proxy
-from kroute.topics import create_topics
+from kroute.cluster_harness import spark_jvm_pid
+from kroute.proxies import ProxyHandle
 from partitioner import partition
-from tests.cluster_helpers import PARTITIONS, Cluster, spark_jvm_pid
+from tests.cluster_helpers import PARTITIONS, Cluster, cluster_proxy, running_cluster
 from tests.reliability.traffic import Outcome, Readers, Writer, failures
 
 pytestmark = pytest.mark.integration
@@ -44,70 +40,34 @@ BUDGET_MS = 2500
 ROUTED_AROUND_S = STALL_TIMEOUT_MS / 1000 + 2.0
 
 
-def start_cluster(embedded: EmbeddedServices, broker: BrokerHandle, workdir: Path) -> Cluster:
-    redis_server = embedded.start_redis()
-    name = f"frozen-{uuid.uuid4().hex[:8]}"
-    topic = f"cluster-{name}"
-    create_topics(broker.bootstrap_servers, {topic: PARTITIONS})
-    settings = {
-        "store": "customers",
-        "spark_master": "local[1]",
-        "redis_url": redis_server.url,
-        "cluster": name,
-        "grace_period_s": "300",  # nothing moves: the standby must take the reads as it is
-        "standbys": "1",
-        "alive_ttl_ms": "2000",
-        "heartbeat_ms": "300",
-        "stall_timeout_ms": str(STALL_TIMEOUT_MS),
-    }
-    cluster = Cluster(
-        embedded,
-        broker.bootstrap_servers,
-        topic,
-        redis.Redis.from_url(redis_server.url),
-        Keys(name),
-        settings,
-        workdir,
-        {},
-        redis_server,
-    )
-    cluster.produce(len(KEYS), "seed")
-    for node_name in NODES:
-        cluster.start(node_name)
-    return cluster
-
-
 @pytest.fixture(scope="module")
 def cluster(embedded, broker, tmp_path_factory) -> Iterator[Cluster]:
-    started = start_cluster(embedded, broker, tmp_path_factory.mktemp("frozen"))
-    try:
+    with running_cluster(
+        embedded,
+        broker,
+        tmp_path_factory.mktemp("frozen"),
+        300,  # nothing moves: the standby must take the reads as it is
+        names=NODES,
+        seed=len(KEYS),
+        prefix="frozen",
+        stall_timeout_ms=str(STALL_TIMEOUT_MS),
+    ) as started:
         started.wait_settled(set(NODES))
         yield started
-    finally:
-        for node in started.nodes.values():
-            node.process.stop()
-            node.close()
-        started.redis.close()
-        started.redis_server.process.stop()
 
 
 @pytest.fixture(scope="module")
 def proxy(embedded, cluster) -> Iterator[ProxyHandle]:
-    handle = start_proxy(
+    with cluster_proxy(
         embedded,
-        cluster.redis_server.url,
+        cluster,
         name="proxy",
-        cluster=cluster.keys.cluster,
         refresh_interval_ms="500",
         eject_ms="500",
         probe_interval_ms="100",
         upstream_timeout_ms="1000",
-    )
-    try:
+    ) as handle:
         yield handle
-    finally:
-        handle.process.stop()
-        handle.close()
 
 
 def descendants(pid: int) -> list[int]:

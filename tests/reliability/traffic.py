@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-from confluent_kafka import KafkaError, Message, Producer
+from confluent_kafka import KafkaError, Message
+
+from kroute.cluster_harness import keyed_producer
 
 ANSWERED = (200, 404)  # a value, or "no such key": both are answers, not failures
 
@@ -38,9 +40,7 @@ class Writer:
     it does not show yet (`tests.reliability.truth.true_staleness_s`)."""
 
     def __init__(self, bootstrap: str, topic: str, keys: list[str], rate: float = 40) -> None:
-        self._producer = Producer(
-            {"bootstrap.servers": bootstrap, "partitioner": "murmur2_random", "linger.ms": 5}
-        )
+        self._producer = keyed_producer(bootstrap, linger_ms=5)
         self._topic, self._keys, self._interval = topic, keys, 1 / rate
         self._lock = threading.Lock()
         self.history: dict[str, list[Write]] = defaultdict(list)
