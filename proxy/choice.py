@@ -188,7 +188,7 @@ def _why_not(
     *,
     unknown_lag: UnknownLagPolicy,
     stale_after_ms: int,
-    standby_reads: bool = True,
+    standby_reads: bool,
 ) -> str | None:
     unavailable = _why_unavailable(replica, standby_reads)
     if unavailable is not None or budget.unlimited:

@@ -1,0 +1,93 @@
+"""Replica order, spread width and refusal reasons pinned where mutants of proxy/choice.py
+survived a full mutmut run (scripts/mutation choice; docs/testing.md).
+
+Each test states the behaviour a user sees: which replica is asked first, over how many
+replicas reads are spread, and what a refusal says.
+"""
+
+from __future__ import annotations
+
+from proxy.choice import LagBudget, Replica, choose_replicas
+
+NOW = 1_000_000
+UNLIMITED = LagBudget()
+
+
+def replica(
+    node_id: str,
+    *,
+    role: str = "standby",
+    lag: int | None = 0,
+    caught_up_at_ms: int | None = None,
+    reported_at_ms: int | None = NOW,
+    position: int | None = None,
+) -> Replica:
+    return Replica(
+        node_id=node_id,
+        url=f"http://{node_id}",
+        role=role,  # type: ignore[arg-type]
+        alive=True,
+        lag=lag,
+        caught_up_at_ms=caught_up_at_ms,
+        reported_at_ms=reported_at_ms,
+        position=position,
+    )
+
+
+def order(*replicas: Replica, budget: LagBudget = UNLIMITED, **options: object) -> list[str]:
+    choice = choose_replicas(replicas, budget, now_ms=NOW, **options)  # type: ignore[arg-type]
+    return [r.node_id for r in choice.candidates]
+
+
+def test_a_replica_whose_position_reached_the_min_offset_is_asked_before_the_active():
+    """Read-your-writes: the standby that shows the write goes first, even before the
+    active (x-kroute-min-offset), and without the bound the active goes first."""
+    behind_active = replica("a", role="active", position=100)
+    reached_standby = replica("b", position=201)
+    assert order(behind_active, reached_standby, min_offset=200) == ["b", "a"]
+    assert order(behind_active, reached_standby) == ["a", "b"]
+
+
+def test_among_equals_the_replica_caught_up_more_recently_is_asked_first():
+    """Same role, both in sync at lag 0: the one with the smaller time lag first, whatever
+    the order the table lists them in."""
+    older = replica("a", caught_up_at_ms=NOW - 5_000)
+    newer = replica("b", caught_up_at_ms=NOW - 100)
+    assert order(older, newer) == ["b", "a"]
+    assert order(newer, older) == ["b", "a"]
+
+
+def test_a_fresh_report_with_a_known_time_lag_goes_before_a_stale_report():
+    """Both out of sync and of unknown offset lag: the one whose report is fresh and says
+    when it was caught up (10 s ago) is asked before the one whose report is too old."""
+    stale = replica("a", lag=5, reported_at_ms=NOW - 60_000)
+    known_time = replica("z", lag=None, caught_up_at_ms=NOW - 10_000)
+    assert order(stale, known_time) == ["z", "a"]
+
+
+def test_reads_spread_over_in_sync_standbys_when_no_active_can_answer():
+    """The active is dead: the two in-sync standbys share the reads."""
+    dead_active = Replica("a", "http://a", "active", False, 0, None, NOW)
+    choice = choose_replicas((dead_active, replica("b"), replica("c")), UNLIMITED, now_ms=NOW)
+    assert [r.node_id for r in choice.candidates] == ["b", "c"]
+    assert choice.spread_width == 2
+
+
+def test_reads_spread_over_in_sync_replicas_when_none_reached_the_min_offset():
+    """A min offset no report shows yet: every replica is equally short of it, so the in-sync
+    ones still share the reads (each node waits for the offset itself)."""
+    choice = choose_replicas(
+        (replica("a", role="active", position=10), replica("b", position=10)),
+        UNLIMITED,
+        now_ms=NOW,
+        min_offset=500,
+    )
+    assert choice.spread_width == 2
+
+
+def test_a_time_budget_refuses_an_unknown_time_lag_and_says_so():
+    """Lag 5 with no caught-up time: its time lag is unknown, refused under a time budget
+    with the reason the 503 shows."""
+    choice = choose_replicas((replica("a", lag=5),), LagBudget(max_ms=1_000), now_ms=NOW)
+    assert choice.candidates == ()
+    assert [r.reason for r in choice.rejected] == ["unknown time lag"]
