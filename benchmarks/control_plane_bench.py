@@ -13,7 +13,10 @@ Per size N nodes / P partitions (one standby per partition unless `--standbys 2`
   (then 0 again, every 1.5 s), and a poller asks the proxy for a key of partition 0 under
   `x-kroute-max-lag: 10` every 5 ms: the delay from the report's EXEC to the first answer from
   the node the new report asks for (the standby, then the active again).
-Measured per size: wrk's p50/p99/max and throughput; the proxy's longest event-loop stall (its
+Measured per size: wrk's p50/p99/max and throughput; the share of requests the proxy's C path
+served (the rest took the Python path: a choice missing from the cache, or a 503), and how many
+partitions' cached choices the table's swaps made it forget or let it keep and renew (a report
+that changes no choice must cost the request path nothing); the proxy's longest event-loop stall (its
 watcher's loop-lag probe, 10 ms timers) and the longest stretch its table work held the loop;
 proxy CPU (all of it and the table's share); the proxy's Redis traffic (bytes on its sockets
 to Redis, from `ss`, and the commands its watcher sent); Redis CPU with and without the proxy;
@@ -253,6 +256,16 @@ def watcher_lines(log_path: Path, since: float, until: float) -> list[dict[str, 
     return lines
 
 
+def hot_path_requests(proxy: ProxyHandle) -> float:
+    """Keyed requests the proxy's C path forwarded so far (its Prometheus counter)."""
+    text = proxy.admin("/metrics").text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("kroute_proxy_hot_path_requests")
+    )
+
+
 def run_wrk(url: str, seconds: int, connections: int) -> dict[str, Any]:
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
         script.write(KEYED_SCRIPT % (f"/stores/{STORE}/keys/customer-", KEYS - 1))
@@ -440,8 +453,10 @@ def measure_window(
     started = time.time()
     cpu_before, redis_before = cpu_seconds(pid), redis_totals(client)
     bytes_before = proxy_socket_bytes(pid, redis_port)
+    hot_before = hot_path_requests(proxy)
     prober.start()
     load = run_wrk(proxy.url, args.seconds, args.connections)
+    hot = hot_path_requests(proxy) - hot_before
     stop.set()
     prober.join(15)
     elapsed = time.time() - started
@@ -461,6 +476,9 @@ def measure_window(
     delays = sorted(propagation[0].delays_ms) if propagation else []
     return {
         "load": load,
+        "c_path_share": round(hot / load["requests"], 3) if load.get("requests") else None,
+        "choices_forgotten_per_s": round(delta("changed_partitions") / span),
+        "choices_kept_per_s": round(delta("renewed_partitions") / span),
         "loop_stall_max_ms": round(max((line["max_loop_lag_ms"] for line in lines), default=0), 2),
         "table_hold_max_ms": round(max((line["max_hold_ms"] for line in lines), default=0), 2),
         "snapshot_swap_max_ms": round(max((line["max_swap_ms"] for line in lines), default=0), 2),
@@ -505,7 +523,8 @@ def markdown(data: dict[str, Any]) -> str:
         load, prop, traffic = f["load"], f["propagation_ms"], f["proxy_redis"]
         rows.append(
             f"| {name} | {load['rps']:,} | {load['p50_ms']} | {load['p99_ms']} | {load['max_ms']} "
-            f"| {f['loop_stall_max_ms']} | {f['table_hold_max_ms']} | {f['proxy_cpu_percent']} "
+            f"| {load['non_2xx']:,} | {f.get('c_path_share')} | {f.get('choices_forgotten_per_s'):,} "
+            f"| {f.get('choices_kept_per_s'):,} | {f['loop_stall_max_ms']} | {f['table_hold_max_ms']} | {f['proxy_cpu_percent']} "
             f"| {f['proxy_table_cpu_percent']} | {traffic['commands_per_s']:,} "
             f"| {traffic['received_bytes_per_s']:,} | {f['full_reread']['bytes']:,} "
             f"| {f['redis']['cpu_percent']} ({f['redis_cpu_percent_for_the_proxy']}) "
@@ -521,11 +540,12 @@ def markdown(data: dict[str, Any]) -> str:
             + ", ".join(f"{f['load_average_1m']}" for f in data["sizes"].values())
             + " (above the core count, every figure here is stretched by other work).",
             "",
-            "| nodes/partitions | req/s | p50 ms | p99 ms | max ms | loop stall max ms "
+            "| nodes/partitions | req/s | p50 ms | p99 ms | max ms | non-2xx | C path share "
+            "| choices forgotten/s | choices kept/s | loop stall max ms "
             "| table hold max ms | proxy CPU % | table CPU % | proxy Redis cmd/s "
             "| proxy Redis B/s in | one full re-read B | Redis CPU % (proxy's) "
             "| propagation p50/p99 ms (samples) | old refresh on the loop ms |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "|---|" + "---:|" * 18,
             *rows,
             "",
             data["projection"],

@@ -3,8 +3,12 @@
 Keyed requests (a configured route matched) go to the replicas of the key's partition, in the
 order `choose_replicas` gives; others go to any live registered node, round robin. Decisions
 read the current snapshot once. The choice for (store, partition) under the configured budget
-is cached until the snapshot or the ejected set changes, or until time alone could change it
-(`choice_expires_at`); a request that tightens the budget by header computes its own.
+is cached until a snapshot changes that choice (`RoutingSnapshot.changed`) or the ejected set
+changes, or until time alone could change it (`choice_expires_at`); a request that tightens the
+budget by header computes its own. A new report that leaves a partition's choice as it was (most
+of them: every replica reports every 250 ms) does not touch its cached choice; the watcher then
+has it renewed from the new replicas (`renew_choices`, off the request path, in steps), so the
+C path keeps serving it and its answers' lag headers follow the reports.
 
 The caches and the stores' partitioners are shared with the C path (`proxy._hotpath.Hub`),
 which serves cached choices itself; a choice it finds missing or expired sends the request
@@ -50,7 +54,13 @@ from proxy.freshness import (
 from proxy.http import ClientRequest, json_response
 from proxy.metrics import ProxyMetrics
 from proxy.routes import CompiledRoute, KeyedRequest, RouteTable
-from proxy.routing import EMPTY, PARTITION_CACHE, RoutingSnapshot, StoreRoute
+from proxy.routing import (
+    EMPTY,
+    PARTITION_CACHE,
+    ChoiceStability,
+    RoutingSnapshot,
+    StoreRoute,
+)
 
 log = structlog.get_logger("kroute.proxy.handler")
 
@@ -87,6 +97,14 @@ class RequestHandler:
         self.metrics = metrics
         self.hub = hub
         self.snapshot: RoutingSnapshot = EMPTY
+        # What the watcher asks to leave a cached choice in place when a partition's replicas
+        # change (a new report every 250 ms) without changing its choice under this policy.
+        self.choice_stability = ChoiceStability(
+            policy.budget,
+            policy.unknown_lag,
+            policy.stale_after_ms,
+            policy.standby_reads,
+        )
         self._targets: dict[str, Target] = {}
         self._plain: dict[str, Candidate] = {}  # node -> candidate for passthrough requests
         # store -> per partition: the cached choice (Cached) or None; shared with the hub
@@ -133,6 +151,29 @@ class RequestHandler:
                 for name, store in stores.items()
             ]
         )
+
+    def renew_choices(self, snapshot: RoutingSnapshot, name: str, partitions: list[int]) -> None:
+        """Renew cached choices that a new snapshot left standing (`snapshot.renewed`: their
+        replicas changed, their choice did not): the same candidates in the same order, with
+        the new replicas' lag for the answers' headers and the new replicas' expiry, so the
+        C path keeps serving them instead of sending a request here when they expire."""
+        if snapshot is not self.snapshot:
+            return  # a newer table is in use: its replicas, not these, are the truth
+        cache, route = self._choices.get(name), snapshot.stores.get(name)
+        if cache is None or route is None:
+            return
+        at = now_ms()
+        policy = self.policy
+        for partition in partitions:
+            cached = cache[partition]
+            if cached is None or at >= cached.expires_ms:
+                continue  # none, or expired: the next request computes it
+            replicas = route.replicas[partition]
+            expires = choice_expires_at(
+                replicas, policy.budget, now_ms=at, stale_after_ms=policy.stale_after_ms
+            )
+            if expires > cached.expires_ms:
+                cache[partition] = _renewed(cached, replicas, partition, expires)
 
     def _use_targets(self, node_urls: Mapping[str, str]) -> None:
         targets = {}
@@ -318,6 +359,50 @@ class RequestHandler:
             )
             cache[partition] = Cached(choice, candidates, expires, choice.spread_width)
         return choice, candidates
+
+
+def _renewed(
+    cached: Cached, replicas: tuple[Replica, ...], partition: int, expires: int
+) -> Cached | None:
+    """`cached` with the same candidates, in the same order, made of the new `replicas`
+    (None, to be computed again, if one is missing: never expected of a renewed partition)."""
+    by_node = {replica.node_id: replica for replica in replicas}
+    if any(c.replica is None or c.replica.node_id not in by_node for c in cached.candidates):
+        return None
+    candidates = tuple(_renewed_candidate(c, by_node, partition) for c in cached.candidates)
+    choice = cached.choice
+    chosen = tuple(by_node[r.node_id] for r in choice.candidates)
+    return Cached(
+        Choice(chosen, choice.rejected, choice.spread_width),
+        candidates,
+        expires,
+        cached.spread_width,
+    )
+
+
+def _renewed_candidate(
+    candidate: Candidate, by_node: Mapping[str, Replica], partition: int
+) -> Candidate:
+    old = candidate.replica
+    assert old is not None  # keyed choices always name their replica
+    new = by_node[old.node_id]
+    target = candidate.target
+    same_lines = (old.lag, old.role, old.caught_up_at_ms is None) == (
+        new.lag,
+        new.role,
+        new.caught_up_at_ms is None,
+    )
+    return Candidate(
+        target,
+        new,
+        candidate.provenance if same_lines else provenance_lines(target.node_id, partition, new),
+        candidate.idle,
+        target.host_line,
+        candidate.choice_tally,
+        candidate.node_tally,
+        -1 if new.lag is None else new.lag,
+        -1 if new.caught_up_at_ms is None else new.caught_up_at_ms,
+    )
 
 
 def _same_stores(previous: RoutingSnapshot, snapshot: RoutingSnapshot) -> bool:

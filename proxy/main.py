@@ -164,6 +164,8 @@ class Proxy:
         self.pool.adopt = lambda connection: Exchange.adopt(context, connection)
         self.ejections.on_change = self.handler.forget_choices
         self.watcher.on_snapshot = self.handler.use_snapshot
+        self.watcher.keep_choices(self.handler.choice_stability.same, self.handler.renew_choices)
+        self.watcher.freeze_heap = True
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(
             MetricsCollector(self.metrics, self._gauges, self.hub.stats, self._counts)

@@ -10,6 +10,12 @@ builder's results equal it). Nothing here does I/O.
 A node serves a partition in the snapshot only when the assignment places it there *and* the
 node's own hosting report says it serves it in that role: a node still applying a new assignment
 is not sent requests for partitions it has not started reading.
+
+Most updates change nothing a request would see: a report every 250 ms moves a replica's
+"reported at" and "caught up at" forward while the partition's choice (which replicas, in which
+order, which refused and why) stays the same. A `ChoiceStability` tells those apart, and the
+builder leaves such partitions out of `RoutingSnapshot.changed`, so the request path keeps the
+choices it cached for them (the C path serving them) until they expire by time.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from common.contract import (
     StoreInfo,
 )
 from partitioner import KeyPartitioner
-from proxy.choice import Replica
+from proxy.choice import LagBudget, Replica, UnknownLagPolicy
 
 # No LRU in front of the hash: measured here with 100,000 distinct keys, a miss in
 # functools.lru_cache costs ~780 ns against ~250 ns for serialize + murmur2 + modulo, and a
@@ -52,6 +58,9 @@ class RoutingSnapshot:
     # what a cache of choices needs to forget. `node_urls` is the previous snapshot's own
     # object when no node's URL changed.
     changed: Mapping[str, frozenset[int]] | None = None
+    # The partitions whose replicas differ from the previous snapshot's while their choice does
+    # not (ChoiceStability): a cached choice of theirs may be renewed from the new replicas.
+    renewed: Mapping[str, frozenset[int]] = field(default_factory=dict)
 
     def live_urls(self) -> tuple[str, ...]:
         """Where requests that match no keyed route may go: any live registered node."""
@@ -161,9 +170,135 @@ def _fields_of(report: PartitionReport) -> ReportFields:
     return (report.lag, report.caught_up_at_ms, report.updated_at_ms, report.current_offset)
 
 
+Row = tuple[Replica, ...]  # one partition's replicas
+# Whether a partition's new row gives the choice its old row gave, from now until the old row's
+# choice expires (see ChoiceStability.same); None in the builder: any difference counts.
+SameChoice = Callable[[Row, Row, int], bool]
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceStability:
+    """Tells a change of a partition's replicas that changes its choice under the configured
+    policy (`proxy.choice.choose_replicas` with no per-request budget) from one that does not.
+
+    `same(old, new, now_ms)` is true only when, for every moment from `now_ms` until the
+    choice cached from `old` expires (`choice_expires_at`), `new` gives the same choice: the
+    same replicas (node, URL, role, liveness), each on the same side of the budget and of
+    "report too old" (refused for the same reason), in sync alike, in the same order, and none
+    of its time limits reached sooner (a newer report, caught up no earlier). Lag values that
+    stay inside the budget may differ: the cached choice keeps naming the values it was
+    computed from in its `x-kroute-lag` and time-lag headers until it expires (at most
+    `stale_after_ms` after the report it used, the age up to which the proxy routes by a
+    report anyway; a time lag from it is larger than the truth, never smaller)."""
+
+    budget: LagBudget
+    unknown_lag: UnknownLagPolicy
+    stale_after_ms: int
+    standby_reads: bool = True
+
+    def same(self, old: Row, new: Row, now_ms: int) -> bool:
+        if old == new:
+            return True
+        if len(old) != len(new):
+            return False
+        standbys = 0
+        for before, after in zip(old, new, strict=True):
+            if not self._same_standing(before, after, now_ms):
+                return False
+            standbys += before.role == "standby"
+        # One active and one standby: their order follows from their roles and whether each
+        # is in sync, both already the same. Among several standbys lag and time lag order.
+        return standbys < 2 or self._order(old, now_ms) == self._order(new, now_ms)
+
+    def _same_standing(self, before: Replica, after: Replica, now_ms: int) -> bool:
+        """Whether `after` is treated as `before` is (refused alike, ordered by the same
+        class) from now until the choice from `before` expires."""
+        if (before.node_id, before.url, before.role, before.alive) != (
+            after.node_id,
+            after.url,
+            after.role,
+            after.alive,
+        ):
+            return False
+        if not before.alive or (not self.standby_reads and before.role == "standby"):
+            return True  # refused whatever it reports
+        fresh = self._fresh(before, now_ms)
+        if fresh != self._fresh(after, now_ms) or (before.reported_at_ms is None) != (
+            after.reported_at_ms is None  # "unknown lag" and "lag report too old" differ
+        ):
+            return False
+        # Not fresh: its lag is unknown either way, and stays so as reports age.
+        return not fresh or self._same_fresh_standing(before, after, now_ms)
+
+    def _same_fresh_standing(self, before: Replica, after: Replica, now_ms: int) -> bool:
+        """For two fresh reports: the new one no older, in sync alike, on the same sides of
+        the budget (and leaving it no sooner)."""
+        newer = (after.reported_at_ms or 0) >= (before.reported_at_ms or 0)
+        return (
+            newer
+            and _in_sync(before) == _in_sync(after)
+            and self._same_offsets_side(before, after)
+            and self._same_time_side(before, after, now_ms)
+        )
+
+    def _order(self, row: Row, now_ms: int) -> list[str]:
+        """The row's node ids sorted as `proxy.choice` sorts candidates (without the ejected
+        and read-your-writes parts, which cached choices do not depend on)."""
+
+        def key(replica: Replica) -> tuple[int, int, int, int, str]:
+            fresh = self._fresh(replica, now_ms)
+            time_lag = replica.time_lag_ms(now_ms) if fresh else None
+            return (
+                0 if fresh and _in_sync(replica) else 1,
+                0 if replica.role == "active" else 1,
+                replica.lag if fresh and replica.lag is not None else 2**62,
+                2**62 if time_lag is None else time_lag,
+                replica.node_id,
+            )
+
+        return [replica.node_id for replica in sorted(row, key=key)]
+
+    def _fresh(self, replica: Replica, now_ms: int) -> bool:
+        reported = replica.reported_at_ms
+        return reported is not None and now_ms - reported <= self.stale_after_ms
+
+    def _same_offsets_side(self, before: Replica, after: Replica) -> bool:
+        limit = self.budget.max_offsets
+        if limit is None:
+            return True
+        if before.lag is None or after.lag is None:
+            return before.lag == after.lag
+        # Refused: its reason names the lag, so only the same lag gives the same choice.
+        return before.lag == after.lag or (before.lag <= limit and after.lag <= limit)
+
+    def _same_time_side(self, before: Replica, after: Replica, now_ms: int) -> bool:
+        limit = self.budget.max_ms
+        if limit is None:
+            return True
+        if before.caught_up_at_ms is None or after.caught_up_at_ms is None:
+            # A time lag of 0 (lag 0, no time) or unknown, alike on both sides.
+            return before.caught_up_at_ms == after.caught_up_at_ms and (before.lag == 0) == (
+                after.lag == 0
+            )
+        over = now_ms - before.caught_up_at_ms > limit
+        if over != (now_ms - after.caught_up_at_ms > limit):
+            return False
+        # Inside the budget, it must not leave it sooner than the cached choice expects.
+        return over or after.caught_up_at_ms >= before.caught_up_at_ms
+
+
+def _in_sync(replica: Replica) -> bool:
+    """As `proxy.choice` orders replicas: lag 0, or a lag with a known caught-up time."""
+    return replica.lag == 0 or (replica.lag is not None and replica.caught_up_at_ms is not None)
+
+
 NodeReports = Mapping[tuple[str, int], PartitionReport]  # one node's: (store, partition)
 # How many partitions one step of a rebuild recomputes: ~1 ms of work between two yields.
 STEP_PARTITIONS = 256
+
+
+def _url_of(info: NodeInfo | None) -> str | None:
+    return None if info is None else info.url
 
 
 class TableBuilder:
@@ -174,9 +309,13 @@ class TableBuilder:
     loop between steps), and `snapshot` copies the rows into an immutable `RoutingSnapshot`.
     A node's update touches only the partitions the assignment places on it, so its cost
     follows that node's share of the table, not the table. A new assignment or store touches
-    everything (rare: a rebalance)."""
+    everything (rare: a rebalance).
 
-    def __init__(self) -> None:
+    `changed` in each snapshot names the partitions whose rows differ from the previous
+    snapshot's, less those `same_choice` (when set) says still give the same choice."""
+
+    def __init__(self, same_choice: SameChoice | None = None) -> None:
+        self.same_choice = same_choice
         self.stores: dict[str, StoreInfo] = {}
         self.assignment: Assignment | None = None
         self.nodes: dict[str, NodeInfo] = {}
@@ -192,6 +331,7 @@ class TableBuilder:
         self._node_urls: Mapping[str, str] = {}
         self._alive_frozen: frozenset[str] = frozenset()
         self._changed: dict[str, set[int]] | None = None  # since the last snapshot
+        self._renewed: dict[str, set[int]] = {}
         # A node's URL, liveness or membership changed: the snapshot's node_urls and alive
         # differ even when the node is placed nowhere (no partition touched).
         self._membership_changed = False
@@ -224,11 +364,15 @@ class TableBuilder:
         """A node's whole state (None: unknown or not routable); touches its partitions only
         when something in it differs."""
         fields = {where: _fields_of(report) for where, report in reports.items()}
-        if info != self.nodes.get(node_id):
-            if info is None:
-                self.nodes.pop(node_id, None)
-            else:
-                self.nodes[node_id] = info
+        before = self.nodes.get(node_id)
+        if info is None:
+            self.nodes.pop(node_id, None)
+        elif info != before:
+            self.nodes[node_id] = info
+        if _url_of(info) != _url_of(before):
+            # Rows and `node_urls` hold only the URL: a node rewriting `node:<id>` with
+            # another start time (or on every heartbeat) changes neither, and must not make
+            # the request path rebuild its targets and forget every cached choice.
             self._node_urls = {}  # rebuilt at the next snapshot
             self._membership_changed = True
         elif hosting == self.hostings.get(node_id) and fields == self.reports.get(node_id, {}):
@@ -256,18 +400,16 @@ class TableBuilder:
     def pending(self) -> bool:
         return self._everything or bool(self._touched) or self._membership_changed
 
-    def rebuild(self) -> Iterator[int]:
-        """Recompute what updates touched; yields after every step (the partitions done)."""
+    def rebuild(self, now_ms: int = 0) -> Iterator[int]:
+        """Recompute what updates touched; yields after every step (the partitions done).
+        `now_ms` is the time `same_choice` judges by."""
         if self._everything:
             yield from self._rebuild_everything()
             return
-        touched, self._touched = sorted(self._touched), set()
-        if self._changed is not None:
-            for store, partition in touched:
-                self._changed.setdefault(store, set()).add(partition)
+        touched, self._touched = list(self._touched), set()  # any order: a sort costs ms
         for start in range(0, len(touched), STEP_PARTITIONS):
             for store, partition in touched[start : start + STEP_PARTITIONS]:
-                self._recompute(store, partition)
+                self._recompute(store, partition, now_ms)
             yield min(start + STEP_PARTITIONS, len(touched))
 
     def _rebuild_everything(self) -> Iterator[int]:
@@ -297,12 +439,13 @@ class TableBuilder:
             self._made[how] = _partitioner(info)
         return self._made[how]
 
-    def _recompute(self, store: str, partition: int) -> None:
+    def _recompute(self, store: str, partition: int, now_ms: int = 0) -> None:
         rows = self._rows.get(store)
         if rows is None or partition >= len(rows):
             return
         placements = self.assignment.stores.get(store, {}) if self.assignment else {}
-        rows[partition] = _replicas(
+        old = rows[partition]
+        new = rows[partition] = _replicas(
             store,
             partition,
             placements.get(partition),
@@ -311,6 +454,12 @@ class TableBuilder:
             report_of=self._report,
             alive=self.alive,
         )
+        if self._changed is None or new == old:
+            return
+        if self.same_choice is not None and self.same_choice(old, new, now_ms):
+            self._renewed.setdefault(store, set()).add(partition)
+        else:
+            self._changed.setdefault(store, set()).add(partition)
 
     def _report(self, node_id: str, store: str, partition: int) -> ReportFields | None:
         return self.reports.get(node_id, {}).get((store, partition))
@@ -326,6 +475,13 @@ class TableBuilder:
         if self._alive_frozen != self.alive:
             self._alive_frozen = frozenset(self.alive)
         changed, self._changed = self._changed, {}
+        # A partition changed since the last snapshot is not renewed, whatever came after.
+        renewed, self._renewed = self._renewed, {}
+        if changed is None:
+            renewed = {}
+        else:
+            for store, partitions in changed.items():
+                renewed.get(store, set()).difference_update(partitions)
         return RoutingSnapshot(
             generation=self.assignment.generation if self.assignment else 0,
             built_at_ms=built_at_ms,
@@ -342,4 +498,5 @@ class TableBuilder:
             changed=None
             if changed is None
             else {store: frozenset(parts) for store, parts in changed.items()},
+            renewed={store: frozenset(parts) for store, parts in renewed.items() if parts},
         )

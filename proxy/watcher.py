@@ -14,16 +14,23 @@ Three kinds of reads, each a pipelined round trip or two:
   (re)subscribing, after a Redis error, on an event naming no node, and when a request is
   refused by a node (`refresh_soon`); at most once per `refresh_interval_ms`.
 
-What only the sweep brought is swapped in at most every `PUBLISH_GAP_S` (each swap makes the
-request path recompute the choices of the partitions it changed, which `RoutingSnapshot.changed`
-names); what an event named, at once. `stats` says what all this costs (logged at debug level
+What only the sweep brought is swapped in at most every `PUBLISH_GAP_S`; what an event named,
+at once. A swap makes the request path forget only the cached choices of the partitions whose
+choice it changes (`RoutingSnapshot.changed`, judged by the handler's `ChoiceStability`): a
+report that moves times and lags inside the budget changes none, and the choices it leaves
+standing are renewed from the new replicas after the swap (`keep_choices`), in steps.
+`stats` says what all this costs (logged at debug level
 every `STATS_LOG_S`), including the event loop's longest stall, from a 10 ms timer.
 
 Nothing the watcher does on the event loop grows with the table: a node's reports are decoded
-one node at a time with a yield to the loop in between, the table is kept by a
-`TableBuilder` that recomputes only the partitions an update touches (in steps of a few
-hundred partitions, yielding between them), and the new snapshot is swapped in with one
-assignment. `max_hold_ms` is the longest the watcher kept the loop in one go.
+one node at a time, the table is kept by a `TableBuilder` that recomputes only the partitions
+an update touches (in steps of a few hundred partitions), and the watcher yields to the loop
+once a stretch of that work has lasted `STRETCH_S` (a millisecond); the new snapshot is
+swapped in with one assignment. `max_hold_ms` is the longest the watcher kept the loop in one
+go. In the proxy (`freeze_heap`), the heap is frozen after every swap (`gc.freeze`): the
+collector's full passes then walk only what was made since, not the code, the table and the
+cached choices (a full pass over those takes ~40 ms at 6,000 partitions), and the whole heap
+is collected once every `FULL_COLLECT_S`.
 
 When Redis cannot be read the last snapshot stays in use, the watcher reports itself degraded,
 and it keeps retrying on its own; the first good read clears the flag. Values that do not
@@ -40,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import ipaddress
 import time
 from collections import deque
@@ -67,7 +75,13 @@ from common.contract import (
     decode_report,
     decode_store,
 )
-from proxy.routing import EMPTY, RoutingSnapshot, TableBuilder
+from proxy.routing import (
+    EMPTY,
+    STEP_PARTITIONS,
+    RoutingSnapshot,
+    SameChoice,
+    TableBuilder,
+)
 
 log = structlog.get_logger("kroute.proxy.watcher")
 
@@ -84,12 +98,20 @@ PUBLISH_GAP_S = 0.2
 DEFAULT_LAG_READ_INTERVAL_MS = 700
 STATS_LOG_S = 2.0  # at debug level: what benchmarks read
 LOOP_PROBE_S = 0.01
+# The watcher's work on the loop comes in stretches of about this long between yields.
+STRETCH_S = 0.001
+# With freeze_heap, how often the collector walks the whole heap (a pause of tens of ms at
+# thousands of partitions) to free cyclic garbage frozen meanwhile.
+FULL_COLLECT_S = 600.0
 # The assignment grows with the table (a megabyte of JSON at 20,000 partitions) and changes
 # only in a rebalance, which its writer announces (`assignment` event): read on those events,
 # in every full read, and this often in case an event was lost (pub/sub delivers at most once:
 # an event published while the subscription is being made is gone). 5 s bounds how long a
 # lost rebalance goes unseen, for ~200 KB/s per proxy at 20,000 partitions.
 ASSIGNMENT_READ_S = 5.0
+# The request path's renewal of its cached choices of some partitions of a store (see
+# `TableWatcher.keep_choices`).
+Renew = Callable[[RoutingSnapshot, str, list[int]], None]
 
 
 @dataclass
@@ -104,6 +126,10 @@ class WatcherStats:
     hold_s: float = 0.0  # time spent on the loop decoding, rebuilding and swapping
     max_hold_ms: float = 0.0  # the longest the watcher kept the event loop in one go
     snapshots: int = 0
+    # Partitions whose cached choices the swaps made the request path forget (a full reset
+    # counts every partition), and those they left standing, to be renewed.
+    changed_partitions: int = 0
+    renewed_partitions: int = 0
     max_swap_ms: float = 0.0  # the longest `on_snapshot` took (the handler's own swap)
     # The event loop's longest stall, whatever caused it (a request burst, the garbage
     # collector, the table): how late a timer asking for LOOP_PROBE_S ran.
@@ -159,6 +185,22 @@ class TableWatcher:
         self._last_swap_s = 0.0
         self._raw_assignment: bytes | None = None
         self._held_since_s = 0.0
+        self._stretch_started_s = 0.0
+        self._renew: Renew | None = None
+        # Freeze the heap after every swap (see _freeze_heap): for a process whose heap is
+        # mostly its table (the proxy), not for tests that run a watcher among other things.
+        self.freeze_heap = False
+        self._full_collect_s = time.monotonic()
+
+    def keep_choices(self, same_choice: SameChoice, renew: Renew) -> None:
+        """How to tell, under the request path's policy, a partition whose replicas changed
+        but whose choice did not (`ChoiceStability.same`): snapshots name such partitions in
+        `renewed` instead of `changed`, so the choices cached for them stay in use, and after
+        each swap `renew(snapshot, store, partitions)` is called for them a step of
+        partitions at a time (yielding to the loop in between) to renew those choices from
+        the new replicas."""
+        self._table.same_choice = same_choice
+        self._renew = renew
 
     def refresh_soon(self) -> None:
         """Something suggests the table is out of date (a node refused a request): read
@@ -354,7 +396,7 @@ class TableWatcher:
             self._count(3, raw_node, raw_hosting, raw_lag)
             self._apply_node(node_id, raw_node, raw_hosting, raw_lag, at)
             self.stats.node_reads += 1
-            await self._yield()
+            await self._pace()
 
     def _apply_node(
         self, node_id: str, raw_node: Any, raw_hosting: Any, raw_lag: dict[Any, Any], at: int
@@ -380,12 +422,14 @@ class TableWatcher:
         if not table.pending and self.loaded:
             self._settle(self.snapshot.built_at_ms)
             if self.clock.now_ms() - self.snapshot.built_at_ms >= self.refresh_interval_s * 1000:
-                confirmed = replace(self.snapshot, built_at_ms=self.clock.now_ms(), changed={})
+                confirmed = replace(
+                    self.snapshot, built_at_ms=self.clock.now_ms(), changed={}, renewed={}
+                )
                 self._swap(confirmed)
             return
         self._hold()
-        for _ in table.rebuild():
-            await self._yield()
+        for _ in table.rebuild(self.clock.now_ms()):
+            await self._pace()
         snapshot = table.snapshot(self.clock.now_ms())
         placed = sum(sum(map(len, route.replicas)) for route in snapshot.stores.values())
         if self._holding_last_table(placed):
@@ -398,20 +442,62 @@ class TableWatcher:
         self._settle(snapshot.built_at_ms)
         self._swap(snapshot)
         await self._yield()
+        await self._renew_choices(self.snapshot)
+        if self.freeze_heap:
+            self._freeze_heap()
+
+    def _freeze_heap(self) -> None:
+        """Take what is alive now out of the collector's full passes (`gc.freeze`).
+
+        A full pass walks every tracked object: at 6,000 partitions the table and the request
+        path's cached choices make that ~40 ms on the loop, and the sweep's new replicas
+        trigger one every few seconds. Frozen, a pass walks only what was made since the last
+        swap. Frozen objects are still freed when nothing refers to them (the table's rows
+        and choices are); only cyclic garbage among them waits, which this process makes
+        little of (about a hundred objects a second under load), for the one full pass every
+        FULL_COLLECT_S that unfreezes and collects everything."""
+        now = time.monotonic()
+        if now - self._full_collect_s >= FULL_COLLECT_S:
+            self._full_collect_s = now
+            gc.unfreeze()
+            gc.collect()
+        gc.freeze()
+
+    async def _renew_choices(self, snapshot: RoutingSnapshot) -> None:
+        """Let the request path renew its cached choices of the partitions `renewed` names,
+        in steps (yielding between them), while the snapshot is still the one in use."""
+        if self._renew is None:
+            return
+        for name, partitions in snapshot.renewed.items():
+            ordered = list(partitions)
+            for start in range(0, len(ordered), STEP_PARTITIONS):
+                if self.snapshot is not snapshot:
+                    return  # a newer table came in: what it renews, it says itself
+                self._renew(snapshot, name, ordered[start : start + STEP_PARTITIONS])
+                await self._pace()
 
     def _swap(self, snapshot: RoutingSnapshot) -> None:
         if self._changes_dropped:
-            snapshot = replace(snapshot, changed=None)
+            snapshot = replace(snapshot, changed=None, renewed={})
             self._changes_dropped = False
         self._last_swap_s = time.monotonic()
         previous, self.snapshot = self.snapshot, snapshot
         if previous.generation != snapshot.generation:
             log.info("routing table changed", generation=snapshot.generation)
         self.stats.snapshots += 1
+        self._count_changes(snapshot)
         started = time.perf_counter()
         self.on_snapshot(snapshot)
         took_ms = (time.perf_counter() - started) * 1000
         self.stats.max_swap_ms = max(self.stats.max_swap_ms, took_ms)
+
+    def _count_changes(self, snapshot: RoutingSnapshot) -> None:
+        stats = self.stats
+        if snapshot.changed is None:
+            stats.changed_partitions += sum(len(r.replicas) for r in snapshot.stores.values())
+        else:
+            stats.changed_partitions += sum(map(len, snapshot.changed.values()))
+        stats.renewed_partitions += sum(map(len, snapshot.renewed.values()))
 
     def _settle(self, built_at_ms: int) -> None:
         """A good read: clear the degraded flag and count it."""
@@ -457,6 +543,15 @@ class TableWatcher:
     def _hold(self) -> None:
         """Mark the start of a stretch on the event loop (after an await returned)."""
         self._held_since_s = time.thread_time()
+        self._stretch_started_s = time.perf_counter()
+
+    async def _pace(self) -> None:
+        """Yield once the current stretch has lasted STRETCH_S. Not after every small step:
+        under load each yield waits for a round of request callbacks (milliseconds), and a
+        watcher that yielded after every node could not read 400 nodes a second; reports
+        would then go stale in its table while Redis has fresh ones."""
+        if time.perf_counter() - self._stretch_started_s >= STRETCH_S:
+            await self._yield()
 
     async def _yield(self) -> None:
         """End a stretch on the loop: count it, then let requests run."""
