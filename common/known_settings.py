@@ -132,6 +132,8 @@ OTHER_VARIABLES: Mapping[str, str] = {
     "KROUTE_SANITIZE_SOURCE": "scripts/sanitize (the C file to build)",
     "KROUTE_MUTATION_WORKERS": "scripts/mutation (parallel mutants)",
     "KROUTE_MUTATION_REUSE": "scripts/mutation (keep the last run's mutants)",
+    "KROUTE_MUTATION_FRESH": "scripts/mutation (internal: each mutant in a fresh interpreter)",
+    "KROUTE_MUTMUT": "scripts/mutation (internal: mutmut's command, for the fresh interpreter)",
 }
 KNOWN_VARIABLES: frozenset[str] = SETTINGS_VARIABLES | frozenset(OTHER_VARIABLES)
 

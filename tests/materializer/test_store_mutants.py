@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from materializer.errors import StoreError
 from materializer.store import MERGE_BROKEN_AFTER, MergeBroken, Row, Store
 
 
@@ -104,3 +105,11 @@ def test_a_merge_sees_the_stored_value_and_a_delete_as_none(store: Store) -> Non
     store.apply(0, [Row(b"k", b"v2", 1, None), Row(b"k", None, 2, None)], 3, None, merge=record)
     assert seen == [(None, b"v1"), (b"1", b"v2"), (b"2", None)]
     assert store.get(0, b"k") is None
+
+
+def test_a_partition_the_store_does_not_hold_is_refused_by_name(store: Store) -> None:
+    with pytest.raises(StoreError) as applying:
+        store.apply(5, [Row(b"a", b"1", 0, None)], 1, None)
+    with pytest.raises(StoreError) as reading:
+        store.get(5, b"a")
+    assert str(applying.value) == str(reading.value) == "partition 5 is not in this store"
