@@ -119,37 +119,34 @@ def die_with_supervisor(role: WorkerRole) -> None:
 # -- parent side -------------------------------------------------------------------------------
 
 
-def reserve_port(host: str, port: int) -> socket.socket:
-    """Bind host:port with SO_REUSEPORT without listening: the port is held for the workers
-    (who bind it the same way and listen) and connections only ever go to listening sockets."""
+def bound_socket(host: str, port: int, *, share: bool) -> socket.socket:
+    """host:port bound, or OSError if taken. `share`: with SO_REUSEPORT and not listening,
+    the data port held for the workers (who bind it the same way and listen), so connections
+    only ever go to listening sockets; otherwise listening (the admin port, served here)."""
     family, kind, proto, _, address = socket.getaddrinfo(
         host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )[0]
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if share:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind(address)
+        if not share:
+            sock.listen(128)
     except OSError:
         sock.close()
         raise
     return sock
 
 
-def listen_admin(host: str, port: int) -> socket.socket:
-    """The admin port, bound and listening (uvicorn serves on it), or OSError if taken."""
-    family, kind, proto, _, address = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-    )[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-        sock.listen(128)
-    except OSError:
-        sock.close()
-        raise
-    return sock
+def log_bind_failure(port_name: str, variable: str, host: str, port: int, exc: OSError) -> None:
+    log.error(
+        f"cannot listen on the {port_name} port (is it taken? set {variable})",
+        host=host,
+        port=port,
+        error=exc.strerror or str(exc),
+    )
 
 
 @dataclass
@@ -227,27 +224,19 @@ class Supervisor:
     async def run(self) -> int:
         settings = self.settings
         try:
-            reservation = reserve_port(settings.host, settings.port)
+            reservation = bound_socket(settings.host, settings.port, share=True)
         except OSError as exc:
-            log.error(
-                "cannot listen on the data port (is it taken? set KROUTE_PORT)",
-                host=settings.host,
-                port=settings.port,
-                error=exc.strerror or str(exc),
-            )
+            log_bind_failure("data", "KROUTE_PORT", settings.host, settings.port, exc)
             shutil.rmtree(self._sockets, ignore_errors=True)
             return EXIT_BIND
         port = int(reservation.getsockname()[1])
         try:
-            admin_socket = listen_admin(settings.admin_host, settings.admin_port)
+            admin_socket = bound_socket(settings.admin_host, settings.admin_port, share=False)
         except OSError as exc:
             # Before any worker starts: a taken admin port must not start workers that the
             # supervisor then has to stop.
-            log.error(
-                "cannot listen on the admin port (is it taken? set KROUTE_ADMIN_PORT)",
-                host=settings.admin_host,
-                port=settings.admin_port,
-                error=exc.strerror or str(exc),
+            log_bind_failure(
+                "admin", "KROUTE_ADMIN_PORT", settings.admin_host, settings.admin_port, exc
             )
             reservation.close()
             shutil.rmtree(self._sockets, ignore_errors=True)
