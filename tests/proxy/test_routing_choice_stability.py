@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 from common.clock import now_ms
 from common.contract import Assignment, Hosting, NodeInfo, PartitionReport, StoreInfo
 from kroute.static_cluster import round_robin
-from proxy._hotpath import Hub
 from proxy.choice import Choice, LagBudget, Replica, choice_expires_at, choose_replicas
 from proxy.exchange import ExchangeContext
 from proxy.handler import ChoicePolicy, RequestHandler
@@ -24,6 +23,7 @@ from proxy.routes import RouteTable
 from proxy.routing import ChoiceStability, RoutingSnapshot, TableBuilder
 from proxy.settings import DEFAULT_ROUTES, parse_routes
 from proxy.upstream import UpstreamPool
+from tests.proxy.test_routing import a_hub
 
 NOW = 9_000_000
 STALE_MS = 3_000
@@ -190,20 +190,7 @@ def test_the_table_names_only_partitions_whose_choice_changed():
 
 
 def _handler() -> RequestHandler:
-    hub = Hub(
-        status_lines={200: b"HTTP/1.1 200 OK\r\n"},
-        request_drop=(b"connection",),
-        response_drop=(b"connection",),
-        python_only=(b"content-length",),
-        id_prefix=b"test",
-        response_timeout_s=1.0,
-        idle_timeout_s=1.0,
-        max_response_bytes=1_000,
-        max_request_bytes=1_000,
-        max_headers=10,
-        idle_per_origin=1,
-        spread=0,
-    )
+    hub = a_hub(spread=False)
     pool = UpstreamPool(
         hub=hub, connect_timeout_s=1.0, response_timeout_s=1.0, idle_per_origin=1,
         max_response_bytes=1_000,
