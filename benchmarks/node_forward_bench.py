@@ -28,6 +28,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,9 @@ from benchmarks.sampling import user_and_kernel_s
 from common.clock import now_ms
 from kroute.embedded import free_port
 from materializer.forwarding import FORWARDED_BY, Forwarded, Forwarder
+from materializer.hosting import HostedPartitions
 from materializer.lag import LagTracker
+from materializer.pipeline import Stall
 from materializer.server import NodeApp, NodeState
 from materializer.sink import IngestStats
 from materializer.store import Row, Store
@@ -83,19 +86,40 @@ class HttpxForwarder:
 # -- the served nodes (run as `--serve ROLE`, one process each) --------------------------------
 
 
-def _node_state(name: str, store: Store, hosted: tuple[int, ...]) -> NodeState:
+@dataclass
+class _RunningNode:
+    """What the HTTP app asks the running node (materializer.server.RunningNode): a pipeline
+    that keeps up, and every partition it does not host owned by `owner`."""
+
+    partitioner: KeyPartitioner | None
+    forwarder: Any = None  # Forwarder, or HttpxForwarder for the comparison
+    owner: str | None = None
+
+    def pipeline_status(self) -> dict[str, Any]:
+        return {"running": True}
+
+    def stalls(self) -> dict[int, Stall]:
+        return {}
+
+    def owner_of(self, partition: int) -> str | None:
+        return self.owner
+
+
+def _node_state(
+    name: str, store: Store, hosted: tuple[int, ...], running: _RunningNode
+) -> NodeState:
+    hosting = HostedPartitions(grace_ms=0, default_role="active")
+    hosting.assign(dict.fromkeys(hosted, "active"), now_ms())
     state = NodeState(
         node_id=name,
         store_name="customers",
         topic="customers",
         value_format="json",
-        role="active",
         store=store,
         lag=LagTracker(store, "customers", lambda: hosted),
         stats=IngestStats(),
-        partitioner=KeyPartitioner("string", "murmur2", PARTITIONS),
-        hosted=hosted,
-        pipeline_status=lambda: {"running": True},
+        hosting=hosting,
+        node=running,
     )
     ends = {p: store.checkpoint(p).next_offset for p in hosted}  # type: ignore[union-attr]
 
@@ -125,13 +149,17 @@ def _owner_store(workdir: Path) -> Store:
 
 
 def serve(role: str, port: int, owner_url: str, workdir: Path) -> None:
+    partitioner = KeyPartitioner("string", "murmur2", PARTITIONS)
     if role == "owner":
-        state = _node_state("owner", _owner_store(workdir), tuple(range(PARTITIONS)))
+        state = _node_state(
+            "owner", _owner_store(workdir), tuple(range(PARTITIONS)), _RunningNode(partitioner)
+        )
     else:
-        state = _node_state(role, Store(workdir / role), ())
-        state.owner_of = lambda _partition: owner_url
         # Both are built outside the loop; the aiohttp one makes its session on first use.
-        state.forwarder = HttpxForwarder(role) if role == "httpx" else Forwarder(role)  # type: ignore[assignment]
+        forwarder = HttpxForwarder(role) if role == "httpx" else Forwarder(role)
+        state = _node_state(
+            role, Store(workdir / role), (), _RunningNode(partitioner, forwarder, owner_url)
+        )
     config = uvicorn.Config(
         NodeApp(state),
         host="127.0.0.1",

@@ -19,7 +19,7 @@ instrumentation practice asks for series known to exist: `lag > N` stays false f
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, get_args
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -47,8 +47,9 @@ NAN = math.nan
 class NodeCollector(Collector):
     """Everything the node exposes, read from its state at scrape time."""
 
-    def __init__(self, state: NodeState) -> None:
+    def __init__(self, state: NodeState, forwarded: Callable[[], int]) -> None:
         self._state = state
+        self._forwarded = forwarded  # the app's count of lookups passed on to their owner
 
     def collect(self) -> Iterator[Metric]:
         state = self._state
@@ -58,7 +59,7 @@ class NodeCollector(Collector):
         )
         yield info
         yield from _ingest(state.stats, state.hosted)
-        yield from _pipeline(state)
+        yield from _pipeline(state, self._forwarded())
         yield from _partitions(state)
 
 
@@ -100,7 +101,7 @@ def _ingest(stats: IngestStats, hosted: tuple[int, ...]) -> Iterator[Metric]:
     yield family
 
 
-def _pipeline(state: NodeState) -> Iterator[Metric]:
+def _pipeline(state: NodeState, forwarded: int) -> Iterator[Metric]:
     status = state.pipeline_status()
     yield CounterMetricFamily(
         "kroute_node_pipeline_restarts",
@@ -115,7 +116,7 @@ def _pipeline(state: NodeState) -> Iterator[Metric]:
     yield CounterMetricFamily(
         "kroute_node_forwarded_lookups",
         "Lookups passed on to the partition's owner (an extra hop)",
-        value=state.forwarded,
+        value=forwarded,
     )
 
 
@@ -175,9 +176,9 @@ def _time_lag_s(known: PartitionLag | None, at_ms: int) -> float:
 class NodeMetrics:
     """The registry behind GET /metrics and the answer to it."""
 
-    def __init__(self, state: NodeState) -> None:
+    def __init__(self, state: NodeState, forwarded: Callable[[], int]) -> None:
         self.registry = CollectorRegistry()  # no describe: nothing is read until scraped
-        self.registry.register(NodeCollector(state))
+        self.registry.register(NodeCollector(state, forwarded))
 
     async def respond(self, send: Send) -> None:
         body = generate_latest(self.registry)

@@ -21,10 +21,11 @@ import uvicorn
 from aiokafka.client import AIOKafkaClient
 
 from common.clock import SHARED, now_ms
-from common.contract import Assignment, Hosting, Keys, NodeInfo, PartitionReport, StoreInfo
+from common.contract import Assignment, Hosting, Keys, NodeInfo, PartitionReport, Role, StoreInfo
 from common.java import JavaRuntime
 from materializer.cluster import ClusterMember, ClusterTiming
 from materializer.forwarding import Forwarder, answer_limit
+from materializer.hosting import HostedPartitions
 from materializer.lag import LagTracker
 from materializer.pipeline import Pipeline, QueryPlan, Stall, create_spark_session, find_stalls
 from materializer.server import NodeApp, NodeState
@@ -35,9 +36,6 @@ from materializer.transform import RecordRules, load_transform
 from partitioner import KeyPartitioner
 
 log = structlog.get_logger("kroute.materializer.node")
-
-# How long a store must stay outside its partition's log before it is rebuilt.
-OUTSIDE_LOG_CONFIRM_MS = 2_000
 
 
 class _Server(uvicorn.Server):
@@ -92,17 +90,23 @@ class Node:
         self.store = open_or_rebuild(settings.data_dir / "stores" / settings.store_name)
         self.stats = IngestStats()
         self.pipeline: Pipeline | None = None
+        # Which partitions this node hosts: decided there, carried out here (store, timers).
+        self.hosting = HostedPartitions(
+            grace_ms=int(settings.grace_period_s * 1000), default_role=settings.role
+        )
+        self.partitioner: KeyPartitioner | None = None  # once the partition count is known
+        self.forwarder: Forwarder | None = None  # in a cluster
+        # What the HTTP app reads; only this node changes what is behind it.
         self.state = NodeState(
             node_id=settings.node_id,
             store_name=settings.store_name,
             topic=settings.topic,
             value_format=settings.value_format,
-            role=settings.role,
             store=self.store,
-            lag=LagTracker(self.store, settings.topic, lambda: self.state.hosted),
+            lag=LagTracker(self.store, settings.topic, lambda: self.hosting.hosted),
             stats=self.stats,
-            pipeline_status=self._pipeline_status,
-            stalls=self._stalls,
+            hosting=self.hosting,
+            node=self,
             min_offset_wait_ms=settings.min_offset_wait_ms,
         )
         self.transform = load_transform(settings.transform, settings.merge)
@@ -115,14 +119,12 @@ class Node:
         self.cluster: ClusterMember | None = None
         self._cluster_task: asyncio.Task[None] | None = None
         self._generation = 0
-        self._drop_timers: dict[int, asyncio.TimerHandle] = {}
+        self._drop_timer: asyncio.TimerHandle | None = None  # for hosting.next_drop_at()
         self._tasks: set[asyncio.Future[object]] = set()
         self._started_at_ms = now_ms()
-        self._hosted_since: dict[int, int] = {}  # partition -> when this node began hosting it
         self._stalled: frozenset[int] = frozenset()  # as last logged
-        self._outside_since: dict[int, int] = {}  # partition -> first seen outside its log
 
-    def _pipeline_status(self) -> dict[str, Any]:
+    def pipeline_status(self) -> dict[str, Any]:
         pipeline = self.pipeline
         if pipeline is None:
             return {"running": False, "state": "starting"}
@@ -143,7 +145,7 @@ class Node:
 
     # -- is the pipeline keeping up? ------------------------------------------------------------
 
-    def _stalls(self) -> dict[int, Stall]:
+    def stalls(self) -> dict[int, Stall]:
         """Hosted partitions with unread records whose store has not moved for too long."""
         pipeline = self.pipeline
         state = pipeline.state() if pipeline is not None else None
@@ -151,16 +153,17 @@ class Node:
         floor = (state.started_at_ms if state else None) or self._started_at_ms
         checkpoints = self.store.checkpoints()
         progress = {}
-        for partition in self.state.hosted:
+        hosted = self.hosting.hosted
+        for partition in hosted:
             checkpoint = checkpoints.get(partition)
             moved = checkpoint.updated_at_ms if checkpoint else 0
-            latest = max(floor, moved, self._hosted_since.get(partition, 0))
+            latest = max(floor, moved, self.hosting.stall_clock_start(partition) or 0)
             # Stamped before the clock stepped back to Redis time, it reads too late and
             # would hide a stall for as long as the step: mapped the way reports are.
             progress[partition] = SHARED.conservative_ms(latest)
         snapshot = self.state.lag.snapshot
         return find_stalls(
-            {p: snapshot[p] for p in self.state.hosted if p in snapshot},
+            {p: snapshot[p] for p in hosted if p in snapshot},
             progress,
             now_ms=now_ms(),
             timeout_ms=self.settings.stall_timeout_ms,
@@ -170,7 +173,7 @@ class Node:
 
     async def _watch_stalls(self, interval_s: float) -> None:
         """Log when partitions stall and when they move again (readiness and reports ask
-        `_stalls` themselves, at the moment they answer)."""
+        `stalls` themselves, at the moment they answer)."""
         while True:
             try:
                 self._log_stall_changes()
@@ -180,7 +183,7 @@ class Node:
             await asyncio.sleep(interval_s)
 
     def _log_stall_changes(self) -> None:
-        stalls = self._stalls()
+        stalls = self.stalls()
         stalled = frozenset(stalls)
         if stalled - self._stalled:
             log.warning(
@@ -198,14 +201,10 @@ class Node:
         reading on from its position would read nothing or skip records silently. Until the
         store catches up again the partition reports itself not caught up (lag from 0)."""
         snapshot = self.state.lag.snapshot
-        at = now_ms()
-        seen = {p for p in self.state.hosted if (lag := snapshot.get(p)) and lag.outside_log}
-        self._outside_since = {p: self._outside_since.get(p, at) for p in seen}
+        seen = [p for p, lag in snapshot.items() if lag.outside_log]
         # A high watermark can dip for a moment after a leader change while the log still
         # holds the records: rebuild only what stays outside (reported unknown meanwhile).
-        outside = sorted(
-            p for p, since in self._outside_since.items() if at - since >= OUTSIDE_LOG_CONFIRM_MS
-        )
+        outside = self.hosting.outside_log(seen, now_ms())
         if not outside:
             return
         log.warning(
@@ -223,19 +222,17 @@ class Node:
     def _reset(self, partitions: list[int]) -> None:
         """Empty these partitions' stores (values and checkpoints): the next plan reads them
         from the log start. Runs while no batch can write the store."""
-        at = now_ms()
-        for partition in partitions:
+        for partition in self.hosting.reset(partitions, now_ms()):
             self.store.drop_partition(partition)
             self.store.add_partition(partition)
-            self._hosted_since[partition] = at  # a fresh start for the stall clock
-            self._outside_since.pop(partition, None)  # the snapshot still shows the old store
 
     def plan(self) -> QueryPlan:
         checkpoints = self.store.checkpoints()
         return QueryPlan(
             topic=self.settings.topic,
             starting_offsets={
-                p: (cp.next_offset if (cp := checkpoints.get(p)) else 0) for p in self.state.hosted
+                p: (cp.next_offset if (cp := checkpoints.get(p)) else 0)
+                for p in self.hosting.hosted
             },
         )
 
@@ -303,7 +300,7 @@ class Node:
 
     async def _start_materializing(self) -> None:
         self._client, num_partitions = await connect_to_broker(self.settings)
-        self.state.partitioner = KeyPartitioner(
+        self.partitioner = KeyPartitioner(
             self.settings.key_format, self.settings.partitioner, num_partitions
         )
         if self.settings.redis_url is None:
@@ -344,38 +341,38 @@ class Node:
 
     # -- hosting and the cluster ---------------------------------------------------------------
 
-    def _host(self, roles: dict[int, str]) -> bool:
+    def _host(self, roles: dict[int, Role]) -> bool:
         """Serve and read exactly these partitions; True when the set changed."""
-        hosted = tuple(sorted(roles))
-        at = now_ms()
-        for partition in hosted:
+        changes = self.hosting.assign(roles, now_ms())
+        for partition in changes.hosted:
             self.store.add_partition(partition)
-            if partition not in self.state.hosted:
-                self._hosted_since[partition] = at  # a fresh start for the stall clock
-            timer = self._drop_timers.pop(partition, None)
-            if timer is not None:
-                timer.cancel()  # assigned back within the grace period: nothing to restore
-        removed = set(self.state.hosted) - set(hosted)
-        changed = hosted != self.state.hosted
-        self.state.roles = dict(roles)
-        self.state.hosted = hosted
-        loop = asyncio.get_running_loop()
-        for partition in removed:
-            # Kept on disk for the grace period, in case it comes back (KIP-441's lesson).
-            self._drop_timers[partition] = loop.call_later(
-                self.settings.grace_period_s, self._drop_if_unhosted, partition
-            )
-        return changed
+        # A partition given up is kept on disk for the grace period, in case it comes back;
+        # assigned back within it (changes.drops_cancelled), there is nothing to restore.
+        self._arm_drop_timer()
+        return changes.changed
 
-    def _drop_if_unhosted(self, partition: int) -> None:
-        self._drop_timers.pop(partition, None)
-        if partition not in self.state.hosted:
+    def _arm_drop_timer(self) -> None:
+        """One timer, for the earliest partition waiting to be dropped. A drop the hosting
+        cancelled needs no timer cancelled (the check finds nothing due), and the deadlines
+        are on the shared clock, which can step: a check that comes early just re-arms."""
+        if self._drop_timer is not None:
+            self._drop_timer.cancel()
+            self._drop_timer = None
+        deadline = self.hosting.next_drop_at()
+        if deadline is not None:
+            delay_s = max(deadline - now_ms(), 0) / 1000
+            self._drop_timer = asyncio.get_running_loop().call_later(delay_s, self._drop_due)
+
+    def _drop_due(self) -> None:
+        self._drop_timer = None
+        for partition in self.hosting.due_drops(now_ms()):
             log.info("dropping a partition no longer hosted", partition=partition)
             self.store.drop_partition(partition)
+        self._arm_drop_timer()
 
     def _apply_assignment(self, assignment: Assignment) -> None:
         mine = assignment.for_node(self.settings.node_id).get(self.settings.store_name, {})
-        roles = {p: "active" for p in mine.get("active", [])}
+        roles: dict[int, Role] = {p: "active" for p in mine.get("active", [])}
         roles.update({p: "standby" for p in mine.get("standby", [])})
         self._generation = assignment.generation
         if self._host(roles):
@@ -411,10 +408,9 @@ class Node:
             socket_connect_timeout=1.0,
             health_check_interval=5,
         )
-        self.state.forwarder = Forwarder(
+        self.forwarder = Forwarder(
             settings.node_id, max_body_bytes=answer_limit(settings.max_value_bytes)
         )
-        self.state.owner_of = self._owner_url
         self.cluster = ClusterMember(
             redis=redis,
             keys=Keys(settings.cluster),
@@ -451,10 +447,10 @@ class Node:
             # Stopping on purpose: say so at once instead of letting the heartbeat expire.
             await cluster.redis.delete(cluster.keys.alive(self.settings.node_id))
         await cluster.redis.aclose()
-        if self.state.forwarder is not None:
-            await self.state.forwarder.close()
+        if self.forwarder is not None:
+            await self.forwarder.close()
 
-    def _owner_url(self, partition: int) -> str | None:
+    def owner_of(self, partition: int) -> str | None:
         """The URL of the live node that is active for a partition (else a live standby)."""
         cluster = self.cluster
         assignment = cluster.assignment if cluster else None
@@ -469,17 +465,8 @@ class Node:
         return None
 
     def _hosting(self) -> Hosting:
-        roles = self.state.roles
-        return Hosting(
-            node_id=self.settings.node_id,
-            generation=self._generation,
-            stores={
-                self.settings.store_name: {
-                    "active": tuple(p for p in self.state.hosted if roles.get(p) == "active"),
-                    "standby": tuple(p for p in self.state.hosted if roles.get(p) == "standby"),
-                }
-            },
-            updated_at_ms=now_ms(),
+        return self.hosting.as_contract(
+            self.settings.node_id, self.settings.store_name, self._generation, now_ms()
         )
 
     def _reports(self) -> dict[int, PartitionReport]:
@@ -488,7 +475,7 @@ class Node:
         which then prefer any in-sync replica even for reads without a budget, and refuse it
         for a time budget (unknown time lag). Its offsets stay true."""
         at = now_ms()
-        stalled = self._stalls()
+        stalled = self.stalls()
         return {
             partition: PartitionReport(
                 current_offset=lag.current_offset,

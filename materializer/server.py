@@ -24,8 +24,8 @@ import base64
 import json
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 from urllib.parse import unquote
 
 from common.clock import now_ms
@@ -66,40 +66,85 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 _JSON = (b"content-type", b"application/json")
 
 
-@dataclass
+class HostingView(Protocol):
+    """Which partitions the node hosts and as what (materializer.hosting), read-only."""
+
+    @property
+    def hosted(self) -> tuple[int, ...]: ...
+
+    def role_of(self, partition: int) -> str: ...
+
+
+class RunningNode(Protocol):
+    """What only the running node knows, asked at the moment of each answer (`Node`)."""
+
+    @property
+    def partitioner(self) -> KeyPartitioner | None:
+        """None until the topic's partition count is known."""
+
+    @property
+    def forwarder(self) -> Forwarder | None:
+        """In a cluster: how to reach a partition's owner (None: never forward)."""
+
+    def owner_of(self, partition: int) -> str | None:
+        """In a cluster: the URL of the node that is active for a partition."""
+
+    def pipeline_status(self) -> dict[str, Any]: ...
+
+    def stalls(self) -> Mapping[int, Stall]:
+        """Partitions whose pipeline is stalled."""
+
+
+@dataclass(frozen=True)
 class NodeState:
-    """What the handlers read; the node fills in the parts known only after start-up."""
+    """What the handlers read, in three parts that change differently: what is fixed when the
+    node starts (identity, store, formats), its hosting (changed by the node only, read here
+    through `HostingView`), and what only the running node knows (`RunningNode`). The app
+    never writes any of it."""
 
     node_id: str
     store_name: str
     topic: str
     value_format: str
-    role: str
     store: Store
     lag: LagTracker
     stats: IngestStats
-    partitioner: KeyPartitioner | None = None  # None until the topic's partition count is known
-    hosted: tuple[int, ...] = ()
-    roles: dict[int, str] = field(default_factory=dict)  # partition -> active/standby
-    pipeline_status: Callable[[], dict[str, Any]] = dict
-    # Partitions whose pipeline is stalled, asked at the moment of each answer.
-    stalls: Callable[[], Mapping[int, Stall]] = dict
-    # In a cluster: the URL of the node that is active for a partition, and how to reach it.
-    owner_of: Callable[[int], str | None] | None = None
-    forwarder: Forwarder | None = None
-    forwarded: int = 0  # lookups this node passed on to the partition's owner (an extra hop)
+    hosting: HostingView
+    node: RunningNode
     # How long a lookup with x-kroute-min-offset waits for the store to apply it (then 421).
     min_offset_wait_ms: int = 500
 
+    @property
+    def hosted(self) -> tuple[int, ...]:
+        return self.hosting.hosted
+
     def role_of(self, partition: int) -> str:
-        return self.roles.get(partition, self.role)
+        return self.hosting.role_of(partition)
+
+    @property
+    def partitioner(self) -> KeyPartitioner | None:
+        return self.node.partitioner
+
+    @property
+    def forwarder(self) -> Forwarder | None:
+        return self.node.forwarder
+
+    def owner_of(self, partition: int) -> str | None:
+        return self.node.owner_of(partition)
+
+    def pipeline_status(self) -> dict[str, Any]:
+        return self.node.pipeline_status()
+
+    def stalls(self) -> Mapping[int, Stall]:
+        return self.node.stalls()
 
 
 class NodeApp:
     def __init__(self, state: NodeState) -> None:
         self.state = state
+        self.forwarded = 0  # lookups this node passed on to the partition's owner (an extra hop)
         self._positions = PositionWatch(lambda partition: _position(state.store, partition))
-        self._metrics = NodeMetrics(state)
+        self._metrics = NodeMetrics(state, lambda: self.forwarded)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -249,15 +294,16 @@ class NodeApp:
         state = self.state
         headers = scope.get("headers", [])
         already_forwarded = any(name == FORWARDED_BY.encode() for name, _ in headers)
-        owner = state.owner_of(partition) if state.owner_of else None
-        if already_forwarded or owner is None or state.forwarder is None:
+        forwarder = state.forwarder
+        owner = state.owner_of(partition) if forwarder is not None else None
+        if already_forwarded or owner is None or forwarder is None:
             return False
-        state.forwarded += 1
+        self.forwarded += 1
         where = {"partition": partition, "owner": owner}
         marked = [(FORWARDED_BY.encode(), state.node_id.encode())]
         try:
             bounds = freshness_headers(headers)  # the owner checks them: see Forwarder.forward
-            result = await state.forwarder.forward(owner, path.decode("ascii"), bounds)
+            result = await forwarder.forward(owner, path.decode("ascii"), bounds)
         except OwnerUnreachable as exc:
             payload = {"error": "owner_unreachable", **where, "detail": str(exc)}
             await _respond(send, 503, payload, marked)
@@ -304,7 +350,7 @@ class NodeApp:
             "kept_for_grace": sorted(state.store.partitions() - set(state.hosted)),
             "broker_error": state.lag.broker_error,
             "ingest": ingest,
-            "forwarded": state.forwarded,
+            "forwarded": self.forwarded,
             "pipeline": {**state.pipeline_status(), **_stall_summary(stalls, at)},
         }
 

@@ -9,17 +9,55 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 
 from common.clock import now_ms
+from common.contract import Role
 from kroute.embedded import free_port
+from materializer.forwarding import Forwarder
+from materializer.hosting import HostedPartitions
 from materializer.lag import LagTracker
+from materializer.pipeline import Stall
 from materializer.server import NodeApp, NodeState
 from materializer.sink import IngestStats
 from materializer.store import Row, Store
 from partitioner import KeyPartitioner
+
+
+@dataclass
+class StandInNode:
+    """What a running node tells its HTTP app (`materializer.server.RunningNode`), as a test
+    sets it: no Spark, no cluster."""
+
+    partitioner: KeyPartitioner | None = None
+    forwarder: Forwarder | None = None
+    status: dict[str, Any] = field(default_factory=dict)  # the pipeline's
+    stalled: dict[int, Stall] = field(default_factory=dict)
+    owner: str | None = None  # every partition's owner, for forwarding
+
+    def pipeline_status(self) -> dict[str, Any]:
+        return dict(self.status)
+
+    def stalls(self) -> dict[int, Stall]:
+        return dict(self.stalled)
+
+    def owner_of(self, partition: int) -> str | None:
+        return self.owner
+
+
+def hosting(
+    partitions: Iterable[int], role: Role = "active", roles: Mapping[int, Role] | None = None
+) -> HostedPartitions:
+    """A node's hosting as an assignment leaves it: these partitions, each in `role` unless
+    `roles` says otherwise."""
+    hosted = HostedPartitions(grace_ms=60_000, default_role=role)
+    hosted.assign({p: (roles or {}).get(p, role) for p in partitions}, now_ms())
+    return hosted
 
 
 class ServedNode:
@@ -38,13 +76,13 @@ class ServedNode:
             store_name="customers",
             topic="bookings",
             value_format="json",
-            role="active",
             store=self.store,
             lag=LagTracker(self.store, "bookings", lambda: hosted),
             stats=IngestStats(),
-            partitioner=KeyPartitioner("string", "murmur2", partitions),
-            hosted=hosted,
-            pipeline_status=lambda: {"running": True},
+            hosting=hosting(hosted),
+            node=StandInNode(
+                KeyPartitioner("string", "murmur2", partitions), status={"running": True}
+            ),
             min_offset_wait_ms=wait_ms,
         )
         self.port = free_port()

@@ -30,7 +30,7 @@ from materializer.sink import IngestStats
 from materializer.store import Store
 from partitioner import KeyPartitioner, partition
 from tests.materializer.test_forwarding import _answer, _read_head  # one owner's helpers
-from tests.served_nodes import ServedNode
+from tests.served_nodes import ServedNode, StandInNode, hosting
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 TIMEOUT_S = 0.6
@@ -368,12 +368,11 @@ def lone_node(tmp_path):
         store_name="customers",
         topic="bookings",
         value_format="json",
-        role="active",
         store=store,
         lag=LagTracker(store, "bookings", lambda: (0,)),
         stats=IngestStats(),
-        partitioner=KeyPartitioner("string", "murmur2", NUM_PARTITIONS),
-        hosted=(0,),
+        hosting=hosting((0,)),
+        node=StandInNode(KeyPartitioner("string", "murmur2", NUM_PARTITIONS)),
     )
     state.lag.apply_ends({0: 0}, now_ms())
     yield state
@@ -385,14 +384,16 @@ def _ask_node(state: NodeState, owner: Handler, max_body_bytes: int = 1 << 20) -
 
     async def call() -> httpx.Response:
         server, url = await _serve(owner)
-        state.owner_of = lambda _partition: url
-        state.forwarder = Forwarder("node-a", timeout_s=TIMEOUT_S, max_body_bytes=max_body_bytes)
+        state.node.owner = url
+        state.node.forwarder = Forwarder(
+            "node-a", timeout_s=TIMEOUT_S, max_body_bytes=max_body_bytes
+        )
         transport = httpx.ASGITransport(app=NodeApp(state))
         try:
             async with httpx.AsyncClient(transport=transport, base_url="http://node") as client:
                 return await client.get(f"/stores/customers/keys/{key}")
         finally:
-            await state.forwarder.close()
+            await state.node.forwarder.close()
             server.close()
 
     return asyncio.run(call())
@@ -478,17 +479,17 @@ def test_a_dot_key_is_answered_by_its_real_owner(lone_node, tmp_path):
     p = partition(b"..", NUM_PARTITIONS)
     owner.write(p, "..", {"who": "dots"}, 3)
     owner.set_end(p, 4)
-    lone_node.hosted = tuple(q for q in range(NUM_PARTITIONS) if q != p)
-    lone_node.owner_of = lambda _partition: owner.url
+    lone_node.hosting.assign({q: "active" for q in range(NUM_PARTITIONS) if q != p}, now_ms())
+    lone_node.node.owner = owner.url
 
     async def call() -> httpx.Response:
-        lone_node.forwarder = Forwarder("node-a", timeout_s=5.0)
+        lone_node.node.forwarder = Forwarder("node-a", timeout_s=5.0)
         transport = httpx.ASGITransport(app=NodeApp(lone_node))
         try:
             async with httpx.AsyncClient(transport=transport, base_url="http://node") as client:
                 return await client.get("/stores/customers/keys/%2E%2E")
         finally:
-            await lone_node.forwarder.close()
+            await lone_node.node.forwarder.close()
 
     try:
         response = asyncio.run(call())

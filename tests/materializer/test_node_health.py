@@ -42,7 +42,7 @@ def node(tmp_path: Path):
     for partition in (0, 1):
         built.store.add_partition(partition)
         built.store.apply(partition, [Row(b"k", b"{}", 7, None)], 8, None)
-    built.state.hosted = (0, 1)
+    built.hosting.assign({0: "active", 1: "active"}, now_ms() - 60_000)
     started = now_ms() - 60_000
     built.pipeline = StandInPipeline(  # type: ignore[assignment]
         # It failed a second from now: during the stall the tests below look at.
@@ -69,9 +69,9 @@ def behind_since_caught_up(node: Node) -> int:
 
 def test_a_partition_behind_with_no_progress_for_the_timeout_is_stalled(node, monkeypatch):
     behind_since_caught_up(node)
-    assert node._stalls() == {}, "just written: not yet"
+    assert node.stalls() == {}, "just written: not yet"
     later(monkeypatch, 45_000)
-    stalls = node._stalls()
+    stalls = node.stalls()
     assert list(stalls) == [0], "partition 1 has nothing unread"
     assert stalls[0].unread == 92
     assert "poison" in stalls[0].reason, "the pipeline's error during the stall says why"
@@ -96,12 +96,14 @@ def test_a_stalled_partition_is_reported_as_not_known_caught_up_with_its_true_of
 def test_a_partition_newly_hosted_gets_a_fresh_start(node, monkeypatch):
     behind_since_caught_up(node)
     later(monkeypatch, 45_000)
-    node._hosted_since[0] = node_module.now_ms() - 1_000  # assigned a second ago
-    assert node._stalls() == {}
+    assigned = node_module.now_ms() - 1_000
+    node.hosting.assign({1: "active"}, assigned - 1)
+    node.hosting.assign({0: "active", 1: "active"}, assigned)  # given back a second ago
+    assert node.stalls() == {}
 
 
 def test_pipeline_status_says_when_the_last_batch_was_applied_and_the_last_error(node):
-    status = node._pipeline_status()
+    status = node.pipeline_status()
     assert status["last_batch_applied_at_ms"] == node.pipeline.state().last_batch_at_ms
     assert status["last_error"] == "ValueError: poison"
     assert status["restarts"] == 7

@@ -26,6 +26,7 @@ from materializer.store import Row, Store
 from partitioner import KeyPartitioner
 from tests.materializer.node_helpers import produce_customers
 from tests.prometheus_checks import assert_follows_conventions, families, sample_values
+from tests.served_nodes import StandInNode, hosting
 
 LAG = "kroute_node_partition_lag_offsets"
 TIME_LAG = "kroute_node_partition_time_lag_seconds"
@@ -56,22 +57,21 @@ def state(tmp_path: Path) -> Iterator[NodeState]:
         store_name="customers",
         topic="bookings",
         value_format="json",
-        role="active",
         store=store,
         lag=LagTracker(store, "bookings", lambda: hosted),
         stats=IngestStats(),
-        partitioner=KeyPartitioner("string", "murmur2", 6),
-        hosted=hosted,
-        roles={0: "active", 1: "standby", 2: "active"},
-        pipeline_status=lambda: {"running": True, "restarts": 2},
+        hosting=hosting(hosted, roles={1: "standby"}),
+        node=StandInNode(
+            KeyPartitioner("string", "murmur2", 6), status={"running": True, "restarts": 2}
+        ),
     )
     yield node
     store.close()
 
 
-def scrape(state: NodeState) -> httpx.Response:
+def scrape(state: NodeState, app: NodeApp | None = None) -> httpx.Response:
     async def call() -> httpx.Response:
-        transport = httpx.ASGITransport(app=NodeApp(state))
+        transport = httpx.ASGITransport(app=app or NodeApp(state))
         async with httpx.AsyncClient(transport=transport, base_url="http://node") as client:
             return await client.get("/metrics")
 
@@ -133,15 +133,16 @@ TYPES = {
 
 def test_cumulative_counts_are_counters_and_levels_gauges(state: NodeState):
     state.lag.apply_ends({0: 8, 1: 8, 2: 8}, now_ms())
-    before = families(scrape(state).text)
+    app = NodeApp(state)
+    before = families(scrape(state, app).text)
     assert {name: family.type for name, family in before.items()} == TYPES
     with state.stats.lock:  # more of everything: every counter's samples grow, none falls
         state.stats.records, state.stats.changes_written = 50, 40
         state.stats.problems_by_partition[2] = 1
         state.stats.observe_batch(0.2)
-    state.forwarded += 3
-    state.pipeline_status = lambda: {"running": False, "restarts": 3}
-    after = families(scrape(state).text)
+    app.forwarded += 3
+    state.node.status = {"running": False, "restarts": 3}
+    after = families(scrape(state, app).text)
     for name, family in after.items():
         if family.type != "counter":
             continue
@@ -162,7 +163,7 @@ def test_unknown_lag_is_nan_and_stalled_and_outside_log_partitions_are_flagged(
     at = now_ms()
     state.lag.apply_ends({0: 8, 1: 8, 2: 8}, at)
     state.lag.apply_ends({0: 3, 1: 20, 2: 8}, at + 1)  # partition 0's log now ends before 8
-    state.stalls = lambda: {1: Stall(1, 12, at - 60_000, "stuck")}
+    state.node.stalled = {1: Stall(1, 12, at - 60_000, "stuck")}
     text = scrape(state).text
     assert math.isnan(sample_values(text, LAG)[series(0)]), "past the end: unknown"
     assert sample_values(text, OUTSIDE)[series(0, where="past_end")] == 1
@@ -180,7 +181,7 @@ def test_an_end_offset_not_read_for_a_while_makes_lag_unknown(state: NodeState):
 
 def test_only_hosted_partitions_have_lag_series(state: NodeState):
     state.lag.apply_ends({0: 8, 1: 8, 2: 8}, now_ms())
-    state.hosted = (0, 2)  # partition 1 was moved away
+    state.hosting.assign({0: "active", 2: "active"}, now_ms())  # partition 1 was moved away
     names = families(scrape(state).text)
     assert {dict(s.labels)["partition"] for s in names[LAG].samples} == {"0", "2"}
 

@@ -7,6 +7,7 @@ import asyncio
 import json
 import time
 import uuid
+from dataclasses import replace
 
 import httpx
 import pytest
@@ -20,7 +21,7 @@ from materializer.server import NodeApp, NodeState
 from materializer.sink import IngestStats
 from materializer.store import Row, Store
 from partitioner import KeyPartitioner, partition
-from tests.served_nodes import ServedNode
+from tests.served_nodes import ServedNode, StandInNode, hosting
 
 PARTITIONS = 6
 HOSTED = (0, 1, 2)
@@ -41,13 +42,11 @@ def state(tmp_path):
         store_name="customers",
         topic="bookings",
         value_format="json",
-        role="standby",
         store=store,
         lag=LagTracker(store, "bookings", lambda: HOSTED),
         stats=IngestStats(),
-        partitioner=KeyPartitioner("string", "murmur2", PARTITIONS),
-        hosted=HOSTED,
-        pipeline_status=lambda: {"running": True},
+        hosting=hosting(HOSTED, role="standby"),
+        node=StandInNode(KeyPartitioner("string", "murmur2", PARTITIONS), status={"running": True}),
         min_offset_wait_ms=200,
     )
     node.lag.apply_ends(dict.fromkeys(HOSTED, 8), now_ms())  # caught up
@@ -113,7 +112,7 @@ def test_the_offset_lag_counts_what_the_store_applied_since_the_last_refresh(sta
 
 
 def test_beyond_the_time_budget_the_node_answers_421_with_its_time_lag(state):
-    state.lag = LagTracker(state.store, "bookings", lambda: HOSTED)
+    state = replace(state, lag=LagTracker(state.store, "bookings", lambda: HOSTED))
     state.lag.apply_ends(dict.fromkeys(HOSTED, 8), now_ms() - 5_000)  # caught up 5 s ago
     state.lag.apply_ends(dict.fromkeys(HOSTED, 9), now_ms())  # one record behind since
     response = get(state, x_kroute_max_lag_ms="1000")
@@ -128,7 +127,7 @@ def test_beyond_the_time_budget_the_node_answers_421_with_its_time_lag(state):
 
 def test_unknown_lag_is_beyond_any_budget(state):
     # The broker has not been read for 3 s: the end offset is too old to measure lag against.
-    state.lag = LagTracker(state.store, "bookings", lambda: HOSTED)
+    state = replace(state, lag=LagTracker(state.store, "bookings", lambda: HOSTED))
     state.lag.apply_ends(dict.fromkeys(HOSTED, 8), now_ms() - 3_000)
     response = get(state, x_kroute_max_lag="1000000")
     assert response.status_code == 421
@@ -138,7 +137,7 @@ def test_unknown_lag_is_beyond_any_budget(state):
 
 
 def test_a_stalled_partition_has_unknown_time_lag(state):
-    state.stalls = lambda: {P: Stall(P, 3, now_ms() - 40_000, "frozen")}
+    state.node.stalled = {P: Stall(P, 3, now_ms() - 40_000, "frozen")}
     response = get(state, x_kroute_max_lag_ms="1000000")
     assert response.status_code == 421
     assert response.headers["x-kroute-refused"] == "unknown time lag"
@@ -166,7 +165,7 @@ def test_malformed_freshness_headers_are_400_naming_the_header(state, header, va
 
 
 def test_a_min_offset_the_store_has_applied_is_answered_at_once(state):
-    state.min_offset_wait_ms = 5_000  # a wait would show: "at once" is well below it
+    state = replace(state, min_offset_wait_ms=5_000)  # a wait would show: "at once" is far below
     for bound in ("7", f"{P}:7", f"0:500,{P}:7", "2:900"):  # 2:900 bounds another partition
         started = time.monotonic()
         response = get(state, x_kroute_min_offset=bound)
@@ -192,7 +191,7 @@ def test_a_min_offset_not_applied_in_time_is_421_with_the_position_reached(state
 
 
 def test_no_wait_at_all_when_the_wait_is_zero(state):
-    state.min_offset_wait_ms = 0
+    state = replace(state, min_offset_wait_ms=0)
     started = time.monotonic()
     assert get(state, x_kroute_min_offset="8").status_code == 421
     assert time.monotonic() - started < 0.19  # below the fixture's 200 ms wait
@@ -201,7 +200,7 @@ def test_no_wait_at_all_when_the_wait_is_zero(state):
 def test_a_write_applied_while_waiting_is_served_and_other_lookups_go_on_meanwhile(state):
     """The wait never blocks the event loop: a lookup without a bound is answered while one
     with a bound waits, and the bounded one gets the write as soon as the store applies it."""
-    state.min_offset_wait_ms = 2_000
+    state = replace(state, min_offset_wait_ms=2_000)
     app = NodeApp(state)
 
     async def scenario() -> tuple[httpx.Response, float, float, list[float]]:
@@ -255,17 +254,17 @@ def test_a_forwarded_lookup_carries_its_bounds_to_the_owner(state, tmp_path):
     owner = ServedNode("owner", tmp_path, PARTITIONS).start()
     owner.write(P, KEY, {"v": "owner's"}, 10)
     owner.set_end(P, 500)  # the owner is 489 behind
-    state.hosted = (0, 2)  # P is not hosted here: forwarded to the owner
-    state.owner_of = lambda _partition: owner.url
+    state.hosting.assign({0: "standby", 2: "standby"}, now_ms())  # P is not: forwarded
+    state.node.owner = owner.url
 
     async def both() -> tuple[httpx.Response, httpx.Response]:
-        state.forwarder = Forwarder("node-a")
+        state.node.forwarder = Forwarder("node-a")
         app = NodeApp(state)
         try:
             refused = await _get(app, {"x-kroute-max-lag": "10"})
             within = await _get(app, {"x-kroute-max-lag": "1000", "x-kroute-min-offset": "10"})
         finally:
-            await state.forwarder.close()
+            await state.node.forwarder.close()
         return refused, within
 
     try:

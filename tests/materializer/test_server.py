@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 
 import httpx
 import pytest
@@ -15,6 +16,7 @@ from materializer.server import NodeApp, NodeState
 from materializer.sink import IngestStats
 from materializer.store import Row, Store
 from partitioner import KeyPartitioner, partition
+from tests.served_nodes import StandInNode, hosting
 
 NUM_PARTITIONS = 6
 
@@ -27,10 +29,11 @@ def a_key_not_in(hosted: tuple[int, ...]) -> str:
     return next(f"k{i}" for i in range(1000) if partition_of(f"k{i}") not in hosted)
 
 
-def forget_the_ends(state: NodeState) -> None:
+def forget_the_ends(state: NodeState) -> NodeState:
     """As just after a start: positions known from the store, the topic's ends not read yet."""
-    state.lag = LagTracker(state.store, "bookings", lambda: state.hosted)
+    state = replace(state, lag=LagTracker(state.store, "bookings", lambda: state.hosted))
     state.lag.refresh_offsets_only()
+    return state
 
 
 @pytest.fixture
@@ -51,13 +54,13 @@ def node_state(tmp_path):
         store_name="customers",
         topic="bookings",
         value_format="json",
-        role="active",
         store=store,
         lag=LagTracker(store, "bookings", lambda: hosted),
         stats=IngestStats(),
-        partitioner=KeyPartitioner("string", "murmur2", NUM_PARTITIONS),
-        hosted=hosted,
-        pipeline_status=lambda: {"running": True},
+        hosting=hosting(hosted),
+        node=StandInNode(
+            KeyPartitioner("string", "murmur2", NUM_PARTITIONS), status={"running": True}
+        ),
     )
     state.lag.apply_ends(dict.fromkeys(hosted, 8), now_ms())
     yield state
@@ -107,7 +110,7 @@ def test_absent_key_is_404_with_its_partition(node_state):
 def test_before_the_node_knows_how_far_behind_it_is_a_lookup_is_421_not_ready(node_state):
     # Just started (or restoring a lost store) with the broker not read yet: a 404 could be
     # a key the store has not reached. 421 makes a proxy ask another replica.
-    forget_the_ends(node_state)
+    node_state = forget_the_ends(node_state)
     key = hosted_key(node_state)
     response = get(node_state, f"/stores/customers/keys/{key}")
     assert response.status_code == 421
@@ -130,7 +133,7 @@ def test_unknown_store_is_404(node_state):
 
 
 def test_malformed_key_is_400_saying_why(node_state):
-    node_state.partitioner = KeyPartitioner("int64", "murmur2", NUM_PARTITIONS)
+    node_state.node.partitioner = KeyPartitioner("int64", "murmur2", NUM_PARTITIONS)
     response = get(node_state, "/stores/customers/keys/forty-two")
     assert response.status_code == 400
     assert response.json()["error"] == "invalid_key"
@@ -167,7 +170,7 @@ def test_metadata_lists_hosted_partitions(node_state):
 
 
 def test_not_ready_until_every_partition_caught_up_once(node_state):
-    forget_the_ends(node_state)
+    node_state = forget_the_ends(node_state)
     response = get(node_state, "/health/ready")
     assert response.status_code == 503  # no end offsets read yet
     assert response.json()["catching_up"] == [0, 1, 2]
@@ -177,24 +180,24 @@ def test_not_ready_until_every_partition_caught_up_once(node_state):
 def test_string_and_bytes_values(node_state):
     key = hosted_key(node_state)
     node_state.store.apply(partition_of(key), [Row(key.encode(), b"\xff\x00", 20, None)], 21, None)
-    node_state.value_format = "bytes"
+    node_state = replace(node_state, value_format="bytes")
     assert get(node_state, f"/stores/customers/keys/{key}").json()["value"] == "/wA="
     node_state.store.apply(
         partition_of(key), [Row(key.encode(), "héllo".encode(), 21, None)], 22, None
     )
-    node_state.value_format = "string"
+    node_state = replace(node_state, value_format="string")
     assert get(node_state, f"/stores/customers/keys/{key}").json()["value"] == "héllo"
 
 
 def stalled_at(state: NodeState, partition: int, for_ms: int) -> Stall:
     stall = Stall(partition, 50, now_ms() - for_ms, "50 offsets unread and the store has not moved")
-    state.stalls = lambda: {partition: stall}
+    state.node.stalled = {partition: stall}
     return stall
 
 
 def test_a_stalled_pipeline_makes_the_node_not_ready_and_says_why(node_state):
     assert get(node_state, "/health/ready").status_code == 200
-    node_state.pipeline_status = lambda: {"running": True, "last_error": "ValueError: poison"}
+    node_state.node.status = {"running": True, "last_error": "ValueError: poison"}
     stalled_at(node_state, 1, for_ms=45_000)
     response = get(node_state, "/health/ready")
     assert response.status_code == 503
@@ -224,7 +227,7 @@ def test_metadata_shows_the_pipelines_state_since_when_it_is_stalled_and_why(nod
 
 
 def test_not_ready_answers_name_the_reason(node_state):
-    forget_the_ends(node_state)
+    node_state = forget_the_ends(node_state)
     assert "have not caught up" in get(node_state, "/health/ready").json()["reason"]
-    node_state.pipeline_status = lambda: {"running": False}
+    node_state.node.status = {"running": False}
     assert "not running" in get(node_state, "/health/ready").json()["reason"]
