@@ -9,7 +9,8 @@
  * key's partitioner (KeyPartitioner.partition_of, itself C for murmur2).
  *
  * The rule that keeps this safe: the C path either does everything the Python path would do,
- * byte for byte (tests/proxy/test_hotpath.py compares the two on generated requests), or it
+ * byte for byte (tests/proxy/test_hotpath.py compares the two on generated requests, and
+ * tests/proxy/test_hotpath_inprocess.py on every route kind and setting C serves), or it
  * does nothing at all and hands the same bytes to the Python path (`slow_data_received`),
  * which owns every other case: partial reads, pipelining, bodies, limits, errors, budgets by
  * header, percent-encoded keys, unknown stores, retry statuses (421 by default), 5xx while
@@ -17,6 +18,11 @@
  * streak through its Tally's `answered`), failover, timeouts, and hedging (the pool's sweeper
  * adopts a request still unanswered after the hedge delay). Parsing is llhttp, the parser
  * httptools (the Python path) is built on, vendored in proxy/_llhttp.
+ *
+ * The boundary with Python (docs/proxy-hotpath.md): what C is given is built once in Python
+ * (proxy.hotpath_spec: HotRoute and HotStore, each saying whether C serves it; Candidate and
+ * Cached from proxy.handler) and read by field name; what C calls is listed before the
+ * interned names below; its one clock for times Python computed is shared_now_ms.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -39,15 +45,42 @@ static const double latency_bounds[LATENCY_BUCKETS] = {
     0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 };
 
-static PyObject *str_write, *str_slow_data_received, *str_after_fast_response, *str_close,
+/* A string literal and its length, counted by the compiler: put(&w, LIT("x: ")). */
+#define LIT(s) (s), (sizeof(s) - 1)
+/* The length of a string literal, for sizing what put(&w, LIT(s)) writes. */
+#define LEN(s) (sizeof(s) - 1)
+
+/* The pieces of the request head sent to nodes and of the answers written to clients, named
+ * once: each is sized with LEN and written with LIT, so no length is counted by hand. */
+#define HTTP11_LINE_END " HTTP/1.1\r\n"
+#define HEADER_SEPARATOR ": "
+#define CRLF "\r\n"
+#define FORWARDED_FOR "x-forwarded-for: "
+#define FORWARDED_FOR_JOIN ", "
+#define FORWARDED_PROTO CRLF "x-forwarded-proto: http\r\n" /* also ends x-forwarded-for */
+#define FORWARDED_HOST "x-forwarded-host: "
+#define REQUEST_ID "x-request-id: "
+#define KEEP_ALIVE_END CRLF
+#define CLOSE_END "connection: close\r\n\r\n"
+
+/* The C/Python contract, the Python side (docs/proxy-hotpath.md, "The C/Python boundary"). The
+ * C path calls these methods and no others on Python objects: transport.write(bytes) on both
+ * transports; slow_data_received(data) on either protocol (the Python path takes the bytes);
+ * after_fast_response(keep_alive) on a client connection (proxy.listener); adopt() and
+ * close_now() on a node connection (proxy.upstream); and the partitioners a HotStore names.
+ * It reads the fields of proxy.hotpath_spec.HotRoute and HotStore in Hub.set_routes and
+ * Hub.set_stores only, never while serving. */
+static PyObject *str_write, *str_slow_data_received, *str_after_fast_response, *str_close_now,
     *str_adopt;
 
+/* Monotonic seconds: deadlines and latency only, never compared with a shared-clock time. */
 static double monotonic_s(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
 }
 
+/* This host's wall clock, read only through shared_now_ms. */
 static long long wall_ms(void) {
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
@@ -238,10 +271,12 @@ static PyTypeObject CachedType = {
 
 /* ---- Hub: routes, stores and counters shared by every connection -------------------------- */
 
-enum { KEY_PATH = 0, KEY_QUERY = 1, KEY_HEADER = 2 };
+/* Where a key comes from; proxy.hotpath_spec.C_KEY_SOURCES maps the route settings to these. */
+enum { KEY_PATH = 0, KEY_QUERY = 1, KEY_HEADER = 2, KEY_SOURCE_COUNT };
 
 typedef struct {
-    int segments;                   /* 0: a template the C path does not handle */
+    int c_serves;                   /* 0: a request this route may match goes to Python */
+    int segments;                   /* path segments of the template */
     int literals;
     int literal_index[MAX_SEGMENTS];
     PyObject *literal[MAX_SEGMENTS]; /* bytes */
@@ -253,12 +288,15 @@ typedef struct {
 } Route;
 
 typedef struct {
+    int c_serves;           /* 0: requests for this store go to Python */
     PyObject *name;         /* bytes */
     PyObject *partitioners; /* tuple: per route index, the key -> partition callable */
     PyObject *cache;        /* list: per partition, Cached or None */
 } Store;
 
-typedef struct {
+typedef struct Hub Hub;
+
+struct Hub {
     PyObject_HEAD
     int enabled;
     int draining; /* the proxy is stopping: every answer says connection: close */
@@ -292,7 +330,13 @@ typedef struct {
     long long status_counts[STATUS_SLOTS];
     long long latency_counts[LATENCY_BUCKETS + 1];
     double latency_sum;
-} Hub;
+};
+
+/* The shared clock, the same as common.clock.SHARED.now_ms() (Redis time once synced): this
+ * host's wall clock plus the offset Python sets on every table refresh (Hub.clock_offset_ms, set
+ * by proxy.hotpath_spec.sync_clock from RequestHandler.use_snapshot). Every time C compares with
+ * a time Python computed (a choice's expiry, a replica's caught-up time) is read here. */
+static long long shared_now_ms(const Hub *hub) { return wall_ms() + hub->clock_offset_ms; }
 
 static void free_routes(Hub *hub) {
     for (int r = 0; r < hub->route_count; r++) {
@@ -383,11 +427,117 @@ static void Hub_dealloc(Hub *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* set_routes([(segments, ((index, literal), ...), key_source, key_index, key_name,
- *              store_index, fixed_store), ...]) in the order routes are tried. */
+/* ---- Reading proxy.hotpath_spec's structures, by field name (set_routes, set_stores) ------- */
+
+/* spec.<name> as a new reference, or NULL with a TypeError naming the structure and field. */
+static PyObject *spec_field(PyObject *spec, const char *kind, const char *name) {
+    PyObject *value = PyObject_GetAttrString(spec, name);
+    if (value == NULL)
+        PyErr_Format(PyExc_TypeError, "%s has no field %s (see proxy.hotpath_spec)", kind, name);
+    return value;
+}
+
+/* A field that must be of `type` (checked with PyObject_TypeCheck), or NULL and a TypeError. */
+static PyObject *typed_field(PyObject *spec, const char *kind, const char *name,
+                             PyTypeObject *type) {
+    PyObject *value = spec_field(spec, kind, name);
+    if (value != NULL && !PyObject_TypeCheck(value, type)) {
+        PyErr_Format(PyExc_TypeError, "%s.%s must be %s, not %s", kind, name, type->tp_name,
+                     Py_TYPE(value)->tp_name);
+        Py_CLEAR(value);
+    }
+    return value;
+}
+
+static int int_field(PyObject *spec, const char *kind, const char *name, int *out) {
+    PyObject *value = typed_field(spec, kind, name, &PyLong_Type);
+    if (value == NULL) return -1;
+    long number = PyLong_AsLong(value);
+    Py_DECREF(value);
+    if (number == -1 && PyErr_Occurred()) return -1;
+    if (number < -1 || number > 1 << 20) {
+        PyErr_Format(PyExc_ValueError, "%s.%s is out of range", kind, name);
+        return -1;
+    }
+    *out = (int)number;
+    return 0;
+}
+
+static int bool_field(PyObject *spec, const char *kind, const char *name, int *out) {
+    PyObject *value = typed_field(spec, kind, name, &PyBool_Type);
+    if (value == NULL) return -1;
+    *out = value == Py_True;
+    Py_DECREF(value);
+    return 0;
+}
+
+/* The template's literal segments ((index, bytes), ...) into the route; -1 with an error. */
+static int read_literals(Route *route, PyObject *literals) {
+    if (PyTuple_GET_SIZE(literals) > MAX_SEGMENTS) {
+        PyErr_SetString(PyExc_ValueError, "HotRoute.literals: more than MAX_SEGMENTS");
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(literals); i++) {
+        int index;
+        PyObject *text;
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(literals, i), "iS;HotRoute.literals holds "
+                              "(segment index, bytes) pairs", &index, &text))
+            return -1;
+        if (index < 0 || index >= route->segments) {
+            PyErr_SetString(PyExc_ValueError, "literal index outside the template");
+            return -1;
+        }
+        route->literal_index[i] = index;
+        route->literal[i] = Py_NewRef(text);
+        route->literals = (int)i + 1;
+    }
+    return 0;
+}
+
+/* One proxy.hotpath_spec.HotRoute. A route C does not serve needs its segment count only. */
+static int read_route(Route *route, PyObject *spec) {
+    const char *kind = "HotRoute";
+    if (bool_field(spec, kind, "c_serves", &route->c_serves) < 0 ||
+        int_field(spec, kind, "segments", &route->segments) < 0)
+        return -1;
+    if (!route->c_serves) return 0;
+    if (int_field(spec, kind, "key_source", &route->key_source) < 0 ||
+        int_field(spec, kind, "key_index", &route->key_index) < 0 ||
+        int_field(spec, kind, "store_index", &route->store_index) < 0)
+        return -1;
+    route->key_name = typed_field(spec, kind, "key_name", &PyBytes_Type);
+    if (route->key_name == NULL) return -1;
+    PyObject *fixed_store = spec_field(spec, kind, "fixed_store");
+    if (fixed_store == NULL) return -1;
+    if (fixed_store == Py_None) {
+        Py_DECREF(fixed_store);
+    } else if (!PyBytes_Check(fixed_store)) {
+        Py_DECREF(fixed_store);
+        PyErr_SetString(PyExc_TypeError, "HotRoute.fixed_store must be bytes or None");
+        return -1;
+    } else {
+        route->fixed_store = fixed_store;
+    }
+    int valid = route->segments <= MAX_SEGMENTS && route->key_source >= 0 &&
+                route->key_source < KEY_SOURCE_COUNT && route->store_index < route->segments &&
+                (route->store_index >= 0 || route->fixed_store != NULL) &&
+                (route->key_source != KEY_PATH ||
+                 (route->key_index >= 0 && route->key_index < route->segments));
+    if (!valid) {
+        PyErr_SetString(PyExc_ValueError, "inconsistent route");
+        return -1;
+    }
+    PyObject *literals = typed_field(spec, kind, "literals", &PyTuple_Type);
+    if (literals == NULL) return -1;
+    int read = read_literals(route, literals);
+    Py_DECREF(literals);
+    return read;
+}
+
+/* set_routes([HotRoute, ...]) in the order routes are tried. */
 static PyObject *Hub_set_routes(Hub *self, PyObject *specs) {
     if (!PyList_Check(specs)) {
-        PyErr_SetString(PyExc_TypeError, "routes must be a list");
+        PyErr_SetString(PyExc_TypeError, "routes must be a list of HotRoute");
         return NULL;
     }
     Py_ssize_t count = PyList_GET_SIZE(specs);
@@ -396,53 +546,28 @@ static PyObject *Hub_set_routes(Hub *self, PyObject *specs) {
     free_routes(self);
     self->routes = routes;
     for (Py_ssize_t r = 0; r < count; r++) {
-        Route *route = &routes[r];
-        PyObject *literals, *key_name, *fixed_store;
         self->route_count = (int)r + 1;
-        if (!PyArg_ParseTuple(PyList_GET_ITEM(specs, r), "iO!iiSiO", &route->segments,
-                              &PyTuple_Type, &literals, &route->key_source, &route->key_index,
-                              &key_name, &route->store_index, &fixed_store))
-            return NULL;
-        route->key_name = Py_NewRef(key_name);
-        if (fixed_store != Py_None && !PyBytes_Check(fixed_store)) {
-            PyErr_SetString(PyExc_TypeError, "fixed_store must be bytes or None");
-            return NULL;
-        }
-        route->fixed_store = fixed_store == Py_None ? NULL : Py_NewRef(fixed_store);
-        int valid = route->key_source >= KEY_PATH && route->key_source <= KEY_HEADER &&
-                    route->store_index < route->segments &&
-                    (route->store_index >= 0 || route->fixed_store != NULL) &&
-                    (route->key_source != KEY_PATH ||
-                     (route->key_index >= 0 && route->key_index < route->segments));
-        if (!valid) {
-            PyErr_SetString(PyExc_ValueError, "inconsistent route");
-            return NULL;
-        }
-        if (route->segments > MAX_SEGMENTS || PyTuple_GET_SIZE(literals) > MAX_SEGMENTS) {
-            route->segments = 0; /* never matched here: the Python path takes it */
-            continue;
-        }
-        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(literals); i++) {
-            int index;
-            PyObject *text;
-            if (!PyArg_ParseTuple(PyTuple_GET_ITEM(literals, i), "iS", &index, &text))
-                return NULL;
-            if (index < 0 || index >= route->segments) {
-                PyErr_SetString(PyExc_ValueError, "literal index outside the template");
-                return NULL;
-            }
-            route->literal_index[i] = index;
-            route->literal[i] = Py_NewRef(text);
-            route->literals = (int)i + 1;
-        }
+        if (read_route(&routes[r], PyList_GET_ITEM(specs, r)) < 0) return NULL;
     }
     Py_RETURN_NONE;
 }
 
-/* set_stores([(name, partitioners, cache), ...]); the caches are shared with Python. */
+/* One proxy.hotpath_spec.HotStore; its cache list is shared with Python. */
+static int read_store(Store *store, PyObject *spec) {
+    const char *kind = "HotStore";
+    if (bool_field(spec, kind, "c_serves", &store->c_serves) < 0) return -1;
+    store->name = typed_field(spec, kind, "name", &PyBytes_Type);
+    if (store->name == NULL) return -1;
+    store->partitioners = typed_field(spec, kind, "partitioners", &PyTuple_Type);
+    if (store->partitioners == NULL) return -1;
+    store->cache = typed_field(spec, kind, "cache", &PyList_Type);
+    return store->cache == NULL ? -1 : 0;
+}
+
+/* set_stores([HotStore, ...]). */
 static PyObject *Hub_set_stores(Hub *self, PyObject *specs) {
     if (!PyList_Check(specs)) {
-        PyErr_SetString(PyExc_TypeError, "stores must be a list");
+        PyErr_SetString(PyExc_TypeError, "stores must be a list of HotStore");
         return NULL;
     }
     Py_ssize_t count = PyList_GET_SIZE(specs);
@@ -451,14 +576,8 @@ static PyObject *Hub_set_stores(Hub *self, PyObject *specs) {
     free_stores(self);
     self->stores = stores;
     for (Py_ssize_t s = 0; s < count; s++) {
-        PyObject *name, *partitioners, *cache;
-        if (!PyArg_ParseTuple(PyList_GET_ITEM(specs, s), "SO!O!", &name, &PyTuple_Type,
-                              &partitioners, &PyList_Type, &cache))
-            return NULL;
-        stores[s].name = Py_NewRef(name);
-        stores[s].partitioners = Py_NewRef(partitioners);
-        stores[s].cache = Py_NewRef(cache);
         self->store_count = (int)s + 1;
+        if (read_store(&stores[s], PyList_GET_ITEM(specs, s)) < 0) return NULL;
     }
     Py_RETURN_NONE;
 }
@@ -764,7 +883,6 @@ static void put(Writer *w, const void *data, size_t length) {
     w->p += length;
 }
 
-static void put_text(Writer *w, const char *text) { put(w, text, strlen(text)); }
 
 static void put_lower(Writer *w, const char *text, size_t length) {
     for (size_t i = 0; i < length; i++) {
@@ -909,6 +1027,7 @@ static int forward_fast(ClientBase *self, const char *data, Py_ssize_t length) {
     for (int r = 0; r < hub->route_count && route == NULL; r++) {
         Route *candidate = &hub->routes[r];
         if (candidate->segments != segment_count) continue;
+        if (!candidate->c_serves) return 0; /* it may be this route: the Python path decides */
         int matches = 1;
         for (int i = 0; i < candidate->literals && matches; i++) {
             Span *s = &segments[candidate->literal_index[i]];
@@ -949,7 +1068,8 @@ static int forward_fast(ClientBase *self, const char *data, Py_ssize_t length) {
             }
         }
         passed[i] = passed_on(hub, h);
-        if (passed[i]) kept_bytes += h->name_length + h->value_length + 4;
+        if (passed[i])
+            kept_bytes += h->name_length + LEN(HEADER_SEPARATOR) + h->value_length + LEN(CRLF);
     }
 
     /* Store and key. */
@@ -976,7 +1096,8 @@ static int forward_fast(ClientBase *self, const char *data, Py_ssize_t length) {
     for (int s = 0; s < hub->store_count; s++)
         if (equals_bytes(store_name.text, store_name.length, hub->stores[s].name))
             store = &hub->stores[s];
-    if (store == NULL || route_index >= PyTuple_GET_SIZE(store->partitioners)) return 0;
+    if (store == NULL || !store->c_serves || route_index >= PyTuple_GET_SIZE(store->partitioners))
+        return 0;
 
     /* Partition: the store's partitioner for this route (a key it refuses is Python's 400). */
     PyObject *key_text = PyUnicode_DecodeASCII(key.text, (Py_ssize_t)key.length, NULL);
@@ -999,7 +1120,7 @@ static int forward_fast(ClientBase *self, const char *data, Py_ssize_t length) {
     PyObject *cached_object = PyList_GET_ITEM(store->cache, partition);
     if (!PyObject_TypeCheck(cached_object, &CachedType)) return 0;
     Cached *cached = (Cached *)cached_object;
-    long long now_ms = wall_ms() + hub->clock_offset_ms;
+    long long now_ms = shared_now_ms(hub);
     Py_ssize_t candidate_count = PyTuple_GET_SIZE(cached->candidates);
     if (now_ms >= cached->expires_ms || candidate_count == 0) return 0;
     /* choice.rotated: only the first spread_width candidates share reads, so a restoring
@@ -1016,43 +1137,45 @@ static int forward_fast(ClientBase *self, const char *data, Py_ssize_t length) {
         request_id = generated_id;
     }
     const char *method_text = method == HTTP_HEAD ? "HEAD " : "GET ";
-    size_t head_length = strlen(method_text) + m.url_length + 11 + kept_bytes;
-    head_length += 17 + (forwarded_for ? forwarded_for->value_length + 2 : 0) +
-                   PyBytes_GET_SIZE(self->client_ip) + 2;
-    head_length += 25;
-    if (host != NULL && host->value_length) head_length += 18 + host->value_length + 2;
-    head_length += 14 + request_id_length + 2;
+    size_t method_length = method == HTTP_HEAD ? LEN("HEAD ") : LEN("GET ");
+    size_t head_length = method_length + m.url_length + LEN(HTTP11_LINE_END) + kept_bytes;
+    head_length += LEN(FORWARDED_FOR) +
+                   (forwarded_for ? forwarded_for->value_length + LEN(FORWARDED_FOR_JOIN) : 0) +
+                   PyBytes_GET_SIZE(self->client_ip) + LEN(FORWARDED_PROTO);
+    if (host != NULL && host->value_length)
+        head_length += LEN(FORWARDED_HOST) + host->value_length + LEN(CRLF);
+    head_length += LEN(REQUEST_ID) + request_id_length + LEN(CRLF);
     head_length += (size_t)PyBytes_GET_SIZE(hub->request_lines);
     PyObject *head = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)head_length);
     if (head == NULL) return -1;
     Writer w = {PyBytes_AS_STRING(head)};
-    put_text(&w, method_text);
+    put(&w, method_text, method_length);
     put(&w, m.url, m.url_length);
-    put_text(&w, " HTTP/1.1\r\n");
+    put(&w, LIT(HTTP11_LINE_END));
     for (int i = 0; i < m.header_count; i++) {
         const Header *h = &m.headers[i];
         if (!passed[i]) continue;
         put_lower(&w, h->name, h->name_length);
-        put_text(&w, ": ");
+        put(&w, LIT(HEADER_SEPARATOR));
         put(&w, h->value, h->value_length);
-        put_text(&w, "\r\n");
+        put(&w, LIT(CRLF));
     }
     put_bytes(&w, hub->request_lines); /* where proxy.freshness.with_budget puts them */
-    put_text(&w, "x-forwarded-for: ");
+    put(&w, LIT(FORWARDED_FOR));
     if (forwarded_for) {
         put(&w, forwarded_for->value, forwarded_for->value_length);
-        put_text(&w, ", ");
+        put(&w, LIT(FORWARDED_FOR_JOIN));
     }
     put_bytes(&w, self->client_ip);
-    put_text(&w, "\r\nx-forwarded-proto: http\r\n");
+    put(&w, LIT(FORWARDED_PROTO));
     if (host != NULL && host->value_length) {
-        put_text(&w, "x-forwarded-host: ");
+        put(&w, LIT(FORWARDED_HOST));
         put(&w, host->value, host->value_length);
-        put_text(&w, "\r\n");
+        put(&w, LIT(CRLF));
     }
-    put_text(&w, "x-request-id: ");
+    put(&w, LIT(REQUEST_ID));
     put(&w, request_id, request_id_length);
-    put_text(&w, "\r\n");
+    put(&w, LIT(CRLF));
     if (w.p != PyBytes_AS_STRING(head) + head_length) {
         Py_DECREF(head);
         PyErr_SetString(PyExc_SystemError, "request head size miscounted");
@@ -1067,7 +1190,7 @@ static int forward_fast(ClientBase *self, const char *data, Py_ssize_t length) {
     }
     Py_ssize_t host_line_length = PyBytes_GET_SIZE(chosen->host_line);
     PyObject *message = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)head_length +
-                                                            host_line_length + 2);
+                                                            host_line_length + LEN(CRLF));
     PyObject *request_id_bytes = PyBytes_FromStringAndSize(request_id, request_id_length);
     PyObject *store_bytes = Py_NewRef(store->name);
     if (message == NULL || request_id_bytes == NULL) {
@@ -1082,7 +1205,7 @@ static int forward_fast(ClientBase *self, const char *data, Py_ssize_t length) {
     w.p = PyBytes_AS_STRING(message);
     put_bytes(&w, head);
     put_bytes(&w, chosen->host_line);
-    put_text(&w, "\r\n");
+    put(&w, LIT(CRLF));
 
     up->client = (ClientBase *)Py_NewRef(self);
     up->cached = Py_NewRef(cached_object);
@@ -1238,7 +1361,7 @@ static int answer_fast(UpstreamBase *self, const char *data, Py_ssize_t length) 
     char time_lag[48];
     int time_lag_length = 0;
     if (chosen->caught_up_at_ms >= 0) { /* the bound grows with time, even at lag 0 */
-        long long behind = wall_ms() + hub->clock_offset_ms - chosen->caught_up_at_ms;
+        long long behind = shared_now_ms(hub) - chosen->caught_up_at_ms;
         time_lag_length = snprintf(time_lag, sizeof time_lag, "x-kroute-time-lag-ms: %lld\r\n",
                                    behind > 0 ? behind : 0);
     }
@@ -1246,11 +1369,12 @@ static int answer_fast(UpstreamBase *self, const char *data, Py_ssize_t length) 
     int content_length_length =
         snprintf(content_length, sizeof content_length, "content-length: %zu\r\n", m.body_length);
     int keep_alive = self->keep_alive && !hub->draining;
-    const char *ending = keep_alive ? "\r\n" : "connection: close\r\n\r\n";
+    const char *ending = keep_alive ? KEEP_ALIVE_END : CLOSE_END;
+    size_t ending_length = keep_alive ? LEN(KEEP_ALIVE_END) : LEN(CLOSE_END);
     size_t total = (size_t)PyBytes_GET_SIZE(status_line) + kept +
-                   (size_t)PyBytes_GET_SIZE(chosen->provenance) + (size_t)time_lag_length + 14 +
-                   (size_t)PyBytes_GET_SIZE(self->request_id) + 2 +
-                   (size_t)content_length_length + strlen(ending) +
+                   (size_t)PyBytes_GET_SIZE(chosen->provenance) + (size_t)time_lag_length +
+                   LEN(REQUEST_ID) + (size_t)PyBytes_GET_SIZE(self->request_id) + LEN(CRLF) +
+                   (size_t)content_length_length + ending_length +
                    (self->head_only ? 0 : m.body_length);
     PyObject *response = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)total);
     if (response == NULL) return -1;
@@ -1260,11 +1384,11 @@ static int answer_fast(UpstreamBase *self, const char *data, Py_ssize_t length) 
         if (keep[i]) put(&w, m.headers[i].name, (size_t)(line_end[i] - m.headers[i].name));
     put_bytes(&w, chosen->provenance);
     put(&w, time_lag, (size_t)time_lag_length);
-    put_text(&w, "x-request-id: ");
+    put(&w, LIT(REQUEST_ID));
     put_bytes(&w, self->request_id);
-    put_text(&w, "\r\n");
+    put(&w, LIT(CRLF));
     put(&w, content_length, (size_t)content_length_length);
-    put_text(&w, ending);
+    put(&w, ending, ending_length);
     if (!self->head_only && m.body_length) put(&w, m.body, m.body_length);
 
     /* Hand the connection back before anything can call into Python. */
@@ -1283,7 +1407,7 @@ static int answer_fast(UpstreamBase *self, const char *data, Py_ssize_t length) 
         self->idle_since = now;
         failed = PyList_Append(self->idle, (PyObject *)self) < 0;
     } else {
-        PyObject *closed = PyObject_CallMethodNoArgs((PyObject *)self, str_close);
+        PyObject *closed = PyObject_CallMethodNoArgs((PyObject *)self, str_close_now);
         failed = closed == NULL;
         Py_XDECREF(closed);
     }
@@ -1423,9 +1547,9 @@ PyMODINIT_FUNC PyInit__hotpath(void) {
     str_write = PyUnicode_InternFromString("write");
     str_slow_data_received = PyUnicode_InternFromString("slow_data_received");
     str_after_fast_response = PyUnicode_InternFromString("after_fast_response");
-    str_close = PyUnicode_InternFromString("_close");
+    str_close_now = PyUnicode_InternFromString("close_now");
     str_adopt = PyUnicode_InternFromString("adopt");
-    if (!str_write || !str_slow_data_received || !str_after_fast_response || !str_close ||
+    if (!str_write || !str_slow_data_received || !str_after_fast_response || !str_close_now ||
         !str_adopt)
         return NULL;
 
@@ -1440,6 +1564,14 @@ PyMODINIT_FUNC PyInit__hotpath(void) {
             Py_DECREF(module);
             return NULL;
         }
+    }
+    /* proxy.hotpath_spec reads these to decide what the C path serves. */
+    if (PyModule_AddIntConstant(module, "MAX_SEGMENTS", MAX_SEGMENTS) < 0 ||
+        PyModule_AddIntConstant(module, "KEY_PATH", KEY_PATH) < 0 ||
+        PyModule_AddIntConstant(module, "KEY_QUERY", KEY_QUERY) < 0 ||
+        PyModule_AddIntConstant(module, "KEY_HEADER", KEY_HEADER) < 0) {
+        Py_DECREF(module);
+        return NULL;
     }
     return module;
 }

@@ -1,8 +1,20 @@
-"""Types of the C module proxy/_hotpath.c (the proxy's common case in C)."""
+"""Types of the C module proxy/_hotpath.c (the proxy's common case in C).
+
+The C/Python contract (docs/proxy-hotpath.md): C takes routes and
+stores as proxy.hotpath_spec.HotRoute / HotStore (read by field name in set_routes and
+set_stores), Candidate and Cached built by proxy.handler, and calls only transport.write,
+slow_data_received, after_fast_response, adopt, close_now and the stores' partitioners.
+"""
 
 from typing import Any
 
 from proxy.choice import Choice, Replica
+from proxy.hotpath_spec import HotRoute, HotStore
+
+MAX_SEGMENTS: int  # the longest route template (and request path) C matches
+KEY_PATH: int
+KEY_QUERY: int
+KEY_HEADER: int
 
 class Tally:
     value: int
@@ -45,7 +57,7 @@ class Hub:
     enabled: int
     draining: int  # 1 while the proxy stops: answers say connection: close
     in_flight: int
-    clock_offset_ms: int
+    clock_offset_ms: int  # wall clock + this = common.clock.SHARED.now_ms() (sync_clock)
     request_lines: bytes  # header lines (each ending CRLF) added to every request to a node
     def __init__(
         self,
@@ -63,8 +75,8 @@ class Hub:
         idle_per_origin: int,
         spread: int,
     ) -> None: ...
-    def set_routes(self, routes: list[Any]) -> None: ...
-    def set_stores(self, stores: list[Any]) -> None: ...
+    def set_routes(self, routes: list[HotRoute]) -> None: ...
+    def set_stores(self, stores: list[HotStore]) -> None: ...
     def next_request_id(self) -> bytes: ...
     def take_deposits(self) -> int: ...
     def stats(self) -> dict[str, Any]: ...

@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 
 import structlog
 
-from common.clock import SHARED, now_ms
+from common.clock import now_ms
 from partitioner import KeyFormatError, KeyPartitioner
 from proxy._hotpath import Cached, Candidate, Hub
 from proxy.choice import (
@@ -51,6 +51,7 @@ from proxy.freshness import (
     node_budget_lines,
     with_budget,
 )
+from proxy.hotpath_spec import hot_routes, hot_store, sync_clock
 from proxy.http import ClientRequest, json_response
 from proxy.metrics import ProxyMetrics
 from proxy.routes import CompiledRoute, KeyedRequest, RouteTable
@@ -116,7 +117,7 @@ class RequestHandler:
         self._node_budget = node_budget(policy.budget, policy.unknown_lag)
         context.node_budget = self._node_budget
         hub.request_lines = node_budget_lines(self._node_budget)
-        hub.set_routes(routes.hot_path_routes())
+        hub.set_routes(hot_routes(routes.routes))
 
     # -- table and health changes (from the watcher and the ejections) -------------------------
 
@@ -130,7 +131,7 @@ class RequestHandler:
         if urls_changed:
             self._use_targets(snapshot.node_urls)
         self.snapshot = snapshot
-        self.hub.clock_offset_ms = SHARED.wall_offset_ms()  # the C path reads the wall clock
+        sync_clock(self.hub)  # the C path reads the wall clock plus this offset
         changed = snapshot.changed
         if not urls_changed and changed is not None and _same_stores(previous, snapshot):
             for name, partitions in changed.items():
@@ -143,9 +144,9 @@ class RequestHandler:
         routes = self.routes.routes
         self.hub.set_stores(
             [
-                (
-                    name.encode(),
-                    tuple(self._partitioner(route, store).partition_of for route in routes),
+                hot_store(
+                    name,
+                    [self._partitioner(route, store).partition_of for route in routes],
                     self._choices[name],
                 )
                 for name, store in stores.items()
@@ -198,17 +199,19 @@ class RequestHandler:
     ) -> Candidate:
         metrics = self.metrics
         return Candidate(
-            target,
-            replica,
-            provenance_lines(target.node_id, partition, replica),
-            self.context.pool.idle_list(target.origin),
-            target.host_line,
-            None
+            target=target,
+            replica=replica,
+            provenance=provenance_lines(target.node_id, partition, replica),
+            idle=self.context.pool.idle_list(target.origin),
+            host_line=target.host_line,
+            choice_tally=None
             if replica is None or partition is None
             else metrics.choice_tally(store, partition, target.node_id, replica.role),
-            metrics.node_tally(target.node_id),
-            -1 if replica is None or replica.lag is None else replica.lag,
-            -1 if replica is None or replica.caught_up_at_ms is None else replica.caught_up_at_ms,
+            node_tally=metrics.node_tally(target.node_id),
+            lag=-1 if replica is None or replica.lag is None else replica.lag,
+            caught_up_at_ms=-1
+            if replica is None or replica.caught_up_at_ms is None
+            else replica.caught_up_at_ms,
         )
 
     # -- requests ----------------------------------------------------------------------------
@@ -357,7 +360,12 @@ class RequestHandler:
             expires = choice_expires_at(
                 replicas, effective, now_ms=at, stale_after_ms=policy.stale_after_ms
             )
-            cache[partition] = Cached(choice, candidates, expires, choice.spread_width)
+            cache[partition] = Cached(
+                choice=choice,
+                candidates=candidates,
+                expires_ms=expires,
+                spread_width=choice.spread_width,
+            )
         return choice, candidates
 
 
@@ -373,10 +381,10 @@ def _renewed(
     choice = cached.choice
     chosen = tuple(by_node[r.node_id] for r in choice.candidates)
     return Cached(
-        Choice(chosen, choice.rejected, choice.spread_width),
-        candidates,
-        expires,
-        cached.spread_width,
+        choice=Choice(chosen, choice.rejected, choice.spread_width),
+        candidates=candidates,
+        expires_ms=expires,
+        spread_width=cached.spread_width,
     )
 
 
@@ -393,15 +401,17 @@ def _renewed_candidate(
         new.caught_up_at_ms is None,
     )
     return Candidate(
-        target,
-        new,
-        candidate.provenance if same_lines else provenance_lines(target.node_id, partition, new),
-        candidate.idle,
-        target.host_line,
-        candidate.choice_tally,
-        candidate.node_tally,
-        -1 if new.lag is None else new.lag,
-        -1 if new.caught_up_at_ms is None else new.caught_up_at_ms,
+        target=target,
+        replica=new,
+        provenance=candidate.provenance
+        if same_lines
+        else provenance_lines(target.node_id, partition, new),
+        idle=candidate.idle,
+        host_line=target.host_line,
+        choice_tally=candidate.choice_tally,
+        node_tally=candidate.node_tally,
+        lag=-1 if new.lag is None else new.lag,
+        caught_up_at_ms=-1 if new.caught_up_at_ms is None else new.caught_up_at_ms,
     )
 
 

@@ -345,7 +345,7 @@ class ClientConnection(ClientBase, asyncio.Protocol):
             query=query or None,
             headers=self._headers,
             body=b"".join(self._body),
-            client_ip=self._client_ip,
+            client_ip=self.client_ip,
             keep_alive=parser.should_keep_alive() and not self._listener.closing,
             request_id=request_id or self._listener.hub.next_request_id(),
             received_at=time.perf_counter(),
@@ -437,10 +437,10 @@ class ClientConnection(ClientBase, asyncio.Protocol):
         """After a response is written (by respond, or by the C path when attention is set):
         close, serve the next queued request, or wait for the next one."""
         if not keep_alive or self._listener.closing:
-            self._close()
+            self.start_closing()
             return
         if self._client_done and not self._queue:
-            self._close()  # it half-closed: everything it sent is answered
+            self.start_closing()  # it half-closed: everything it sent is answered
             return
         if self._queue:
             if self._write_blocked:
@@ -479,7 +479,7 @@ class ClientConnection(ClientBase, asyncio.Protocol):
         if self.transport is not None and not self.transport.is_closing():
             response = json_response(status, payload, keep_alive=False, head_only=head_only)
             self.transport.write(response)
-        self._close()
+        self.start_closing()
 
     def expire(self, now: float) -> None:
         """The sweeper found this connection past its deadline."""
@@ -492,7 +492,7 @@ class ClientConnection(ClientBase, asyncio.Protocol):
             # still holds for it are released now.
             log.info(
                 "client connection reset",
-                client=self._client_ip,
+                client=self.client_ip,
                 reason="not closed within the close timeout"
                 if self.closed
                 else "took none of its answer within the send timeout",
@@ -512,7 +512,7 @@ class ClientConnection(ClientBase, asyncio.Protocol):
                 head_only=self._parser.get_method() == b"HEAD",
             )
         else:
-            self._close()
+            self.start_closing()
 
     def _still_draining(self) -> bool:
         """Bytes left the transport's buffer since the send deadline was set (the kernel only
@@ -536,9 +536,9 @@ class ClientConnection(ClientBase, asyncio.Protocol):
 
     def close_if_idle(self) -> None:
         if not self.busy and not self.reading:
-            self._close()
+            self.start_closing()
 
-    def _close(self) -> None:
+    def start_closing(self) -> None:
         """Close after what was written is flushed: FIN after the last answer, then wait for
         the client to close its side (read and discarded), at most the close timeout; it
         counts as a connection until its socket is gone (connection_lost)."""
@@ -653,7 +653,7 @@ class Listener:
             await asyncio.sleep(0.01)  # polling: "no request in flight" has no event of its own
         unfinished = sum(1 for c in self.connections if c.busy)
         for connection in list(self.connections):
-            connection._close()
+            connection.start_closing()
         if self._sweeper is not None:
             self._sweeper.cancel()
         return unfinished

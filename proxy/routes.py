@@ -52,11 +52,6 @@ def compile_route(spec: RouteSpec) -> CompiledRoute:
     )
 
 
-_KEY_SOURCES = {"path": 0, "query": 1, "header": 2}
-
-HotPathRoute = tuple[int, tuple[tuple[int, bytes], ...], int, int, bytes, int, bytes | None]
-
-
 class RouteTable:
     def __init__(self, specs: tuple[RouteSpec, ...]) -> None:
         self.routes = tuple(compile_route(spec) for spec in specs)
@@ -64,21 +59,6 @@ class RouteTable:
         for route in self.routes:
             length = len(route.spec.path.strip("/").split("/"))
             self._by_length.setdefault(length, []).append(route)
-
-    def hot_path_routes(self) -> list[HotPathRoute]:
-        """The routes as proxy._hotpath.Hub.set_routes takes them, in matching order."""
-        return [
-            (
-                len(route.spec.path.strip("/").split("/")),
-                tuple((index, text.encode()) for index, text in route.literals),
-                _KEY_SOURCES[route.key_source],
-                -1 if route.key_index is None else route.key_index,
-                route.key_name.encode(),
-                -1 if route.store_index is None else route.store_index,
-                None if route.spec.store is None else route.spec.store.encode(),
-            )
-            for route in self.routes
-        ]
 
     def match(
         self, path: str, query: str | None, header: Callable[[str], str | None]

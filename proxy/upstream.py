@@ -159,7 +159,7 @@ class UpstreamConnection(UpstreamBase, asyncio.Protocol):
 
     def slow_data_received(self, data: bytes) -> None:
         if self._sink is None:
-            self._close()  # bytes nobody asked for: the connection cannot be trusted any more
+            self.close_now()  # bytes nobody asked for: the connection cannot be trusted any more
             return
         if self._in_head:
             self._raw_head += data
@@ -321,7 +321,7 @@ class UpstreamConnection(UpstreamBase, asyncio.Protocol):
         """The sink does not want the rest of this answer: close without reading it."""
         self._sink = None
         self.busy = False
-        self._close()
+        self.close_now()
 
     def _end_answer(self) -> None:
         if not self._streaming:
@@ -345,7 +345,7 @@ class UpstreamConnection(UpstreamBase, asyncio.Protocol):
         if reusable:
             self._pool.release(self)
         else:
-            self._close()
+            self.close_now()
 
     # -- the pool's side --------------------------------------------------------------------
 
@@ -402,11 +402,13 @@ class UpstreamConnection(UpstreamBase, asyncio.Protocol):
         sink = self._sink
         self._sink = None
         self.busy = False
-        self._close()
+        self.close_now()
         if sink is not None:
             sink.on_failure(failure)
 
-    def _close(self) -> None:
+    def close_now(self) -> None:
+        """Close at once and leave the pool (part of the C contract: the C path calls it on a
+        connection it will not reuse)."""
         self.closed = True
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
@@ -504,7 +506,7 @@ class UpstreamPool:
         for idle in self._idle.values():
             # Oldest first: the C path and release() append, and sends pop from the end.
             while idle and idle[0].idle_since < idle_before:
-                idle.pop(0)._close()
+                idle.pop(0).close_now()
 
     def send(
         self,
@@ -577,7 +579,7 @@ class UpstreamPool:
     def release(self, connection: UpstreamConnection) -> None:
         idle = self.idle_list(connection.origin)
         if len(idle) >= self.idle_per_origin:
-            connection._close()
+            connection.close_now()
             return
         connection.idle_since = time.monotonic()
         idle.append(connection)
@@ -595,7 +597,7 @@ class UpstreamPool:
             dropped = list(idle)
             idle.clear()
             for connection in dropped:
-                connection._close()
+                connection.close_now()
 
     def idle_count(self) -> int:
         return sum(len(idle) for idle in self._idle.values())
@@ -610,7 +612,7 @@ class UpstreamPool:
             task.cancel()
         for idle in self._idle.values():
             for connection in list(idle):
-                connection._close()
+                connection.close_now()
             idle.clear()
         for connection in [c for c in self._open if c.busy]:
             connection._fail(UpstreamReset("proxy shutting down"))

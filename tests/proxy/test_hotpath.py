@@ -14,6 +14,7 @@ import re
 import socket
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 
 import httpx
 import pytest
@@ -21,8 +22,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kroute.proxies import ProxyHandle, start_proxy
-from proxy._hotpath import Cached, Candidate, Hub, Tally
+from proxy._hotpath import MAX_SEGMENTS, Cached, Candidate, Hub, Tally
+from proxy.hotpath_spec import HotRoute, HotStore, c_serves_route, hot_routes
 from proxy.metrics import LATENCY_BUCKETS_S
+from proxy.routes import compile_route
+from proxy.settings import RouteSpec
 from tests.proxy.conftest import PROXY_SETTINGS, StandIns
 
 GENERATED_ID = re.compile(rb"\b[0-9a-f]{8}-[0-9a-f]+\b")  # a proxy-made request id
@@ -264,20 +268,56 @@ def a_hub(**overrides: object) -> Hub:
     return Hub(**(settings | overrides))  # type: ignore[arg-type]
 
 
+def route(**fields: object) -> HotRoute:
+    """The /stores/{store}/keys/{key} route as C takes it, with `fields` changed."""
+    plain = HotRoute(True, 4, ((0, b"stores"), (2, b"keys")), 0, 3, b"", 1, None)
+    return replace(plain, **fields)  # type: ignore[arg-type]
+
+
 def test_hub_refuses_routes_it_could_misread():
     with pytest.raises(TypeError, match="header names must be bytes"):
         a_hub(request_drop=("connection",))
     hub = a_hub()
     with pytest.raises(ValueError, match="inconsistent route"):
-        hub.set_routes([(2, (), 0, 5, b"", 0, None)])  # key segment outside the template
+        hub.set_routes([route(segments=2, key_index=5, store_index=0)])  # key outside
     with pytest.raises(ValueError, match="inconsistent route"):
-        hub.set_routes([(2, (), 0, 1, b"", -1, None)])  # no store anywhere
+        hub.set_routes([route(store_index=-1)])  # no store anywhere
+    with pytest.raises(ValueError, match="inconsistent route"):
+        hub.set_routes([route(segments=33, key_index=1, store_index=0)])  # over MAX_SEGMENTS
     with pytest.raises(ValueError, match="literal index"):
-        hub.set_routes([(2, ((3, b"x"),), 0, 1, b"", 0, None)])
-    hub.set_routes([(4, ((0, b"stores"), (2, b"keys")), 0, 3, b"", 1, None)])
+        hub.set_routes([route(segments=2, literals=((3, b"x"),), key_index=1, store_index=0)])
+    hub.set_routes([route()])
+    hub.set_routes([route(c_serves=False, segments=40, key_source=-1)])  # only its length read
     assert hub.next_request_id() == b"abcd-1"
     assert hub.next_request_id() == b"abcd-2"
     assert hub.latency_buckets() == LATENCY_BUCKETS_S
+
+
+def test_hub_reads_routes_and_stores_by_field_name_and_names_a_wrong_one():
+    hub = a_hub()
+    with pytest.raises(TypeError, match="HotRoute has no field c_serves"):
+        hub.set_routes([(4, (), 0, 3, b"", 1, None)])  # the old positional tuples
+    with pytest.raises(TypeError, match=r"HotRoute\.key_name must be bytes, not str"):
+        hub.set_routes([route(key_name="id")])
+    with pytest.raises(TypeError, match=r"HotRoute\.c_serves must be bool"):
+        hub.set_routes([route(c_serves=1)])
+    with pytest.raises(TypeError, match="HotStore has no field c_serves"):
+        hub.set_stores([(b"s", (), [])])
+    with pytest.raises(TypeError, match=r"HotStore\.cache must be list"):
+        hub.set_stores([HotStore(True, b"s", (), ())])  # type: ignore[arg-type]
+    hub.set_stores([HotStore(True, b"s", (len,), [None])])
+
+
+def test_routes_c_does_not_serve_are_decided_in_python():
+    """A key source C does not read, or a template longer than its arrays, is passed with
+    c_serves False (C then leaves any request it may match to Python); the others True."""
+    served = RouteSpec(path="/stores/{store}/keys/{key}")
+    long_path = "/" + "/".join(["x"] * MAX_SEGMENTS) + "/{store}/{key}"
+    compiled = [compile_route(served), compile_route(RouteSpec(path=long_path))]
+    assert [r.c_serves for r in hot_routes(compiled)] == [True, False]
+    cookie = replace(compile_route(served), key_source="cookie")  # a source C cannot read
+    assert not c_serves_route(cookie)
+    assert hot_routes([cookie])[0].key_source == -1
 
 
 def test_candidates_and_cached_choices_check_their_parts():

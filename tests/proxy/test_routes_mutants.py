@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from proxy.errors import BadRequest, KeyRejected
+from proxy.hotpath_spec import HotRoute, hot_routes
 from proxy.routes import RouteTable, compile_route
 from proxy.settings import RouteSpec
 
@@ -21,12 +22,13 @@ NO_HEADERS = {}.get
 
 
 def test_the_c_path_gets_every_route_in_matching_order():
-    """proxy._hotpath matches with these tuples: (segment count, literals, key source
-    (0 path, 1 query, 2 header), key segment or -1, key name, store segment or -1, store)."""
-    assert TABLE.hot_path_routes() == [
-        (4, ((0, b"stores"), (2, b"keys")), 0, 3, b"", 1, None),
-        (3, ((0, b"v1"), (2, b"lookup")), 1, -1, b"id", -1, b"cards"),
-        (1, ((0, b"check"),), 2, -1, b"x-card", -1, b"cards"),
+    """proxy._hotpath matches with these HotRoutes (proxy.hotpath_spec): segment count,
+    literals, key source (0 path, 1 query, 2 header), key segment or -1, key name, store
+    segment or -1, named store."""
+    assert hot_routes(TABLE.routes) == [
+        HotRoute(True, 4, ((0, b"stores"), (2, b"keys")), 0, 3, b"", 1, None),
+        HotRoute(True, 3, ((0, b"v1"), (2, b"lookup")), 1, -1, b"id", -1, b"cards"),
+        HotRoute(True, 1, ((0, b"check"),), 2, -1, b"x-card", -1, b"cards"),
     ]
 
 
