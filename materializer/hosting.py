@@ -8,9 +8,11 @@ next drop, a re-plan of the query. The HTTP app and the cluster report read its 
 - Hosted partitions are exactly the ones the last assignment gave this node, sorted.
 - A partition given up stays on disk for the grace period, in case it comes back (KIP-441's
   lesson: a node restarted or rebalanced back finds its data): `assign` schedules its drop at
-  `at_ms + grace_ms`, and `due_drops` hands it over for dropping only once that time has come and
-  the partition is still not hosted. Assigned back before that, the drop is cancelled: nothing to
-  restore.
+  `drop_clock_ms + grace_ms`, and `due_drops` hands it over for dropping only once that time has
+  come and the partition is still not hosted. Assigned back before that, the drop is cancelled:
+  nothing to restore. Drop times are on a clock of their own (`drop_clock_ms`, by default
+  `at_ms`): the node keeps them on its monotonic clock, as the shared clock steps when it syncs
+  to Redis time (a step forward of S would drop a partition S early, before it could come back).
 - Each hosted partition has a stall clock start (`stall_clock_start`): when it was last
   (re)hosted or reset. A partition that has just arrived has had no chance to move yet.
 - A store position outside the partition's log (`materializer.lag.OutsideLog`) may be a moment's
@@ -20,6 +22,7 @@ next drop, a re-plan of the query. The HTTP app and the cluster report read its 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -49,9 +52,11 @@ class Changes:
 
 
 class HostedPartitions:
-    """The node's hosting: see the module docstring. Not thread-safe beyond what the node
-    already relies on: it is changed on the event loop, and by `reset` while the query is
-    paused."""
+    """The node's hosting: see the module docstring. It is changed on the event loop, and by
+    `reset` on the pipeline's thread (between batches), so each change is made under one lock:
+    a reset that found a partition hosted must not mark it after an assignment on the loop
+    gave it up meanwhile (a stall clock kept for a partition not hosted). Readers take the
+    views as they are (each a value replaced whole, or a read-only view)."""
 
     def __init__(
         self,
@@ -68,6 +73,7 @@ class HostedPartitions:
         self._hosted_since: dict[int, int] = {}  # hosted partition -> stall clock start
         self._outside_since: dict[int, int] = {}  # hosted partition -> first seen outside
         self._drop_at: dict[int, int] = {}  # given-up partition -> when to drop it
+        self._lock = threading.Lock()  # every change: see the class docstring
 
     # -- the view the rest of the node reads --------------------------------------------------
 
@@ -111,8 +117,16 @@ class HostedPartitions:
 
     # -- what happens to it --------------------------------------------------------------------
 
-    def assign(self, roles: Mapping[int, Role], at_ms: int) -> Changes:
-        """Host exactly these partitions in these roles from `at_ms` on."""
+    def assign(
+        self, roles: Mapping[int, Role], at_ms: int, *, drop_clock_ms: int | None = None
+    ) -> Changes:
+        """Host exactly these partitions in these roles from `at_ms` on; the ones given up are
+        due to be dropped a grace period after `drop_clock_ms` (the drop clock's now, see the
+        module docstring; `at_ms` when None)."""
+        with self._lock:
+            return self._assign(roles, at_ms, at_ms if drop_clock_ms is None else drop_clock_ms)
+
+    def _assign(self, roles: Mapping[int, Role], at_ms: int, drop_clock_ms: int) -> Changes:
         before = set(self._hosted)
         hosted = tuple(sorted(roles))
         added = tuple(p for p in hosted if p not in before)
@@ -123,7 +137,7 @@ class HostedPartitions:
         cancelled = tuple(p for p in hosted if self._drop_at.pop(p, None) is not None)
         for partition in added:
             self._hosted_since[partition] = at_ms  # a fresh start for the stall clock
-        drops = {partition: at_ms + self.grace_ms for partition in removed}
+        drops = {partition: drop_clock_ms + self.grace_ms for partition in removed}
         for partition in removed:
             del self._hosted_since[partition]  # every hosted partition has one
             self._outside_since.pop(partition, None)  # back later: watched afresh
@@ -134,8 +148,12 @@ class HostedPartitions:
 
     def due_drops(self, at_ms: int) -> list[int]:
         """The given-up partitions to drop from disk now: unhosted for the whole grace period
-        (a partition assigned back has no drop waiting: `assign` cancelled it). They are
-        forgotten here: the caller drops them."""
+        (a partition assigned back has no drop waiting: `assign` cancelled it). `at_ms` is on
+        the drop clock. They are forgotten here: the caller drops them."""
+        with self._lock:
+            return self._due_drops(at_ms)
+
+    def _due_drops(self, at_ms: int) -> list[int]:
         due = sorted(p for p, deadline in self._drop_at.items() if deadline <= at_ms)
         for partition in due:
             del self._drop_at[partition]
@@ -144,6 +162,10 @@ class HostedPartitions:
     def outside_log(self, seen: Iterable[int], at_ms: int) -> list[int]:
         """Given the partitions whose store is outside the log now, the hosted ones that have
         been outside on every check for `confirm_outside_ms` (to reset)."""
+        with self._lock:
+            return self._outside_log(seen, at_ms)
+
+    def _outside_log(self, seen: Iterable[int], at_ms: int) -> list[int]:
         hosted = set(self._hosted)
         self._outside_since = {
             p: self._outside_since.get(p, at_ms) for p in sorted(set(seen) & hosted)
@@ -158,6 +180,10 @@ class HostedPartitions:
         """These partitions' stores are emptied to be read again from the log start: a fresh
         start for their stall clock, and the outside-log watch starts over (the lag snapshot
         still shows the old store). Returns the ones still hosted: the stores to empty."""
+        with self._lock:
+            return self._reset(partitions, at_ms)
+
+    def _reset(self, partitions: Iterable[int], at_ms: int) -> list[int]:
         hosted = [p for p in sorted(set(partitions)) if p in self._hosted]
         for partition in hosted:
             self._hosted_since[partition] = at_ms

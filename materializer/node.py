@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import signal
 import socket
+import time
 from collections.abc import Coroutine, Iterator
 from typing import Any
 
@@ -36,6 +37,12 @@ from materializer.transform import RecordRules, load_transform
 from partitioner import KeyPartitioner
 
 log = structlog.get_logger("kroute.materializer.node")
+
+
+def _drop_clock_ms() -> int:
+    """The clock of the hosting's drop deadlines: monotonic, so a step of the shared clock
+    cannot drop a given-up partition before its grace period is over."""
+    return int(time.monotonic() * 1000)
 
 
 class _Server(uvicorn.Server):
@@ -343,7 +350,7 @@ class Node:
 
     def _host(self, roles: dict[int, Role]) -> bool:
         """Serve and read exactly these partitions; True when the set changed."""
-        changes = self.hosting.assign(roles, now_ms())
+        changes = self.hosting.assign(roles, now_ms(), drop_clock_ms=_drop_clock_ms())
         for partition in changes.hosted:
             self.store.add_partition(partition)
         # A partition given up is kept on disk for the grace period, in case it comes back;
@@ -353,19 +360,19 @@ class Node:
 
     def _arm_drop_timer(self) -> None:
         """One timer, for the earliest partition waiting to be dropped. A drop the hosting
-        cancelled needs no timer cancelled (the check finds nothing due), and the deadlines
-        are on the shared clock, which can step: a check that comes early just re-arms."""
+        cancelled needs no timer cancelled (the check finds nothing due). The deadlines are on
+        the monotonic drop clock (not the shared clock, which steps when it syncs)."""
         if self._drop_timer is not None:
             self._drop_timer.cancel()
             self._drop_timer = None
         deadline = self.hosting.next_drop_at()
         if deadline is not None:
-            delay_s = max(deadline - now_ms(), 0) / 1000
+            delay_s = max(deadline - _drop_clock_ms(), 0) / 1000
             self._drop_timer = asyncio.get_running_loop().call_later(delay_s, self._drop_due)
 
     def _drop_due(self) -> None:
         self._drop_timer = None
-        for partition in self.hosting.due_drops(now_ms()):
+        for partition in self.hosting.due_drops(_drop_clock_ms()):
             log.info("dropping a partition no longer hosted", partition=partition)
             self.store.drop_partition(partition)
         self._arm_drop_timer()

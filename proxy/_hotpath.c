@@ -338,25 +338,33 @@ struct Hub {
  * a time Python computed (a choice's expiry, a replica's caught-up time) is read here. */
 static long long shared_now_ms(const Hub *hub) { return wall_ms() + hub->clock_offset_ms; }
 
-static void free_routes(Hub *hub) {
-    for (int r = 0; r < hub->route_count; r++) {
-        Route *route = &hub->routes[r];
+static void free_route_array(Route *routes, int count) {
+    for (int r = 0; r < count; r++) {
+        Route *route = &routes[r];
         for (int i = 0; i < route->literals; i++) Py_XDECREF(route->literal[i]);
         Py_XDECREF(route->key_name);
         Py_XDECREF(route->fixed_store);
     }
-    PyMem_Free(hub->routes);
+    PyMem_Free(routes);
+}
+
+static void free_routes(Hub *hub) {
+    free_route_array(hub->routes, hub->route_count);
     hub->routes = NULL;
     hub->route_count = 0;
 }
 
-static void free_stores(Hub *hub) {
-    for (int s = 0; s < hub->store_count; s++) {
-        Py_XDECREF(hub->stores[s].name);
-        Py_XDECREF(hub->stores[s].partitioners);
-        Py_XDECREF(hub->stores[s].cache);
+static void free_store_array(Store *stores, int count) {
+    for (int s = 0; s < count; s++) {
+        Py_XDECREF(stores[s].name);
+        Py_XDECREF(stores[s].partitioners);
+        Py_XDECREF(stores[s].cache);
     }
-    PyMem_Free(hub->stores);
+    PyMem_Free(stores);
+}
+
+static void free_stores(Hub *hub) {
+    free_store_array(hub->stores, hub->store_count);
     hub->stores = NULL;
     hub->store_count = 0;
 }
@@ -494,13 +502,26 @@ static int read_literals(Route *route, PyObject *literals) {
     return 0;
 }
 
-/* One proxy.hotpath_spec.HotRoute. A route C does not serve needs its segment count only. */
+static int read_route_literals(Route *route, PyObject *spec) {
+    PyObject *literals = typed_field(spec, "HotRoute", "literals", &PyTuple_Type);
+    if (literals == NULL) return -1;
+    int read = read_literals(route, literals);
+    Py_DECREF(literals);
+    return read;
+}
+
+/* One proxy.hotpath_spec.HotRoute. A route C does not serve needs its segments and literals. */
 static int read_route(Route *route, PyObject *spec) {
     const char *kind = "HotRoute";
     if (bool_field(spec, kind, "c_serves", &route->c_serves) < 0 ||
         int_field(spec, kind, "segments", &route->segments) < 0)
         return -1;
-    if (!route->c_serves) return 0;
+    if (!route->c_serves) {
+        /* Its literals only, to tell whether a request may be this route's (a template longer
+         * than MAX_SEGMENTS matches no request C reads: nothing more is needed). */
+        if (route->segments > MAX_SEGMENTS) return 0;
+        return read_route_literals(route, spec);
+    }
     if (int_field(spec, kind, "key_source", &route->key_source) < 0 ||
         int_field(spec, kind, "key_index", &route->key_index) < 0 ||
         int_field(spec, kind, "store_index", &route->store_index) < 0)
@@ -527,28 +548,38 @@ static int read_route(Route *route, PyObject *spec) {
         PyErr_SetString(PyExc_ValueError, "inconsistent route");
         return -1;
     }
-    PyObject *literals = typed_field(spec, kind, "literals", &PyTuple_Type);
-    if (literals == NULL) return -1;
-    int read = read_literals(route, literals);
-    Py_DECREF(literals);
-    return read;
+    return read_route_literals(route, spec);
 }
 
-/* set_routes([HotRoute, ...]) in the order routes are tried. */
+/* set_routes([HotRoute, ...]) in the order routes are tried. The new table is read whole
+ * before it replaces the old one: on any error the hub keeps serving the old table (a half-read
+ * route, say one whose literals are missing, would match requests that are not its own). The
+ * list is copied first, so an object that changes it while its fields are read cannot move
+ * the reading out of bounds. */
 static PyObject *Hub_set_routes(Hub *self, PyObject *specs) {
     if (!PyList_Check(specs)) {
         PyErr_SetString(PyExc_TypeError, "routes must be a list of HotRoute");
         return NULL;
     }
-    Py_ssize_t count = PyList_GET_SIZE(specs);
-    Route *routes = PyMem_Calloc(count ? count : 1, sizeof(Route));
-    if (routes == NULL) return PyErr_NoMemory();
+    PyObject *items = PyList_AsTuple(specs);
+    if (items == NULL) return NULL;
+    Py_ssize_t count = PyTuple_GET_SIZE(items);
+    Route *routes = count > INT_MAX ? NULL : PyMem_Calloc(count ? count : 1, sizeof(Route));
+    if (routes == NULL) {
+        Py_DECREF(items);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t r = 0; r < count; r++) {
+        if (read_route(&routes[r], PyTuple_GET_ITEM(items, r)) < 0) {
+            free_route_array(routes, (int)r + 1);
+            Py_DECREF(items);
+            return NULL;
+        }
+    }
+    Py_DECREF(items);
     free_routes(self);
     self->routes = routes;
-    for (Py_ssize_t r = 0; r < count; r++) {
-        self->route_count = (int)r + 1;
-        if (read_route(&routes[r], PyList_GET_ITEM(specs, r)) < 0) return NULL;
-    }
+    self->route_count = (int)count;
     Py_RETURN_NONE;
 }
 
@@ -564,21 +595,32 @@ static int read_store(Store *store, PyObject *spec) {
     return store->cache == NULL ? -1 : 0;
 }
 
-/* set_stores([HotStore, ...]). */
+/* set_stores([HotStore, ...]), read whole before it replaces the old table, as set_routes is:
+ * on any error the hub keeps the old one (a half-read store has no partitioners or cache). */
 static PyObject *Hub_set_stores(Hub *self, PyObject *specs) {
     if (!PyList_Check(specs)) {
         PyErr_SetString(PyExc_TypeError, "stores must be a list of HotStore");
         return NULL;
     }
-    Py_ssize_t count = PyList_GET_SIZE(specs);
-    Store *stores = PyMem_Calloc(count ? count : 1, sizeof(Store));
-    if (stores == NULL) return PyErr_NoMemory();
+    PyObject *items = PyList_AsTuple(specs);
+    if (items == NULL) return NULL;
+    Py_ssize_t count = PyTuple_GET_SIZE(items);
+    Store *stores = count > INT_MAX ? NULL : PyMem_Calloc(count ? count : 1, sizeof(Store));
+    if (stores == NULL) {
+        Py_DECREF(items);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t s = 0; s < count; s++) {
+        if (read_store(&stores[s], PyTuple_GET_ITEM(items, s)) < 0) {
+            free_store_array(stores, (int)s + 1);
+            Py_DECREF(items);
+            return NULL;
+        }
+    }
+    Py_DECREF(items);
     free_stores(self);
     self->stores = stores;
-    for (Py_ssize_t s = 0; s < count; s++) {
-        self->store_count = (int)s + 1;
-        if (read_store(&stores[s], PyList_GET_ITEM(specs, s)) < 0) return NULL;
-    }
+    self->store_count = (int)count;
     Py_RETURN_NONE;
 }
 
@@ -1027,12 +1069,14 @@ static int forward_fast(ClientBase *self, const char *data, Py_ssize_t length) {
     for (int r = 0; r < hub->route_count && route == NULL; r++) {
         Route *candidate = &hub->routes[r];
         if (candidate->segments != segment_count) continue;
-        if (!candidate->c_serves) return 0; /* it may be this route: the Python path decides */
         int matches = 1;
         for (int i = 0; i < candidate->literals && matches; i++) {
             Span *s = &segments[candidate->literal_index[i]];
             matches = equals_bytes(s->text, s->length, candidate->literal[i]);
         }
+        /* The Python path's route: a later route C serves must not take the request (the path
+         * is plain bytes here, so literals compare as RouteTable.match compares them). */
+        if (matches && !candidate->c_serves) return 0;
         if (matches) {
             route = candidate;
             route_index = r;

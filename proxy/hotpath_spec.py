@@ -5,8 +5,8 @@ about routes and stores is a named structure from this module, read by field nam
 `Hub.set_routes` and `Hub.set_stores` (never while serving), and each carries `c_serves`:
 whether C may serve it at all. Which routes and stores C serves is decided here, in
 `c_serves_route` and `c_serves_store`, and nowhere in C: a route C does not serve is still
-passed (with its segment count), so a request it may match goes to the Python path and routes
-are tried in the same order on both paths.
+passed (with its segment count and literals), so a request that matches it goes to the Python
+path and routes are tried in the same order on both paths.
 
 The rest of the contract (docs/proxy-hotpath.md):
 
