@@ -2,8 +2,9 @@
 
 Per size N nodes / P partitions (one standby per partition unless `--standbys 2`):
 - writer processes write the Redis contract for N simulated nodes at kroute nodes' rates into
-  a real redis-server: every 250 ms each node rewrites `hosting:<id>` and replaces `lag:<id>`
-  in one MULTI/EXEC (delete, HSET every hosted partition's report, PEXPIRE), and heartbeats
+  a real redis-server: every 250 ms each node rewrites `hosting:<id>`, replaces `lag:<id>` and
+  rewrites its compact `report:<id>` in one MULTI/EXEC (delete, HSET every hosted partition's
+  report, PEXPIRE, SET report:<id>), as kroute nodes do (`write_node_report`), and heartbeats
   (`node:<id>`, `nodes`, `store:<name>`, `stores`, `alive:<id>` with a 2 s TTL). Every
   partition takes 100 records a second and every replica keeps up (lag 0, caught up at the
   time it reports), so every report differs from the last, as under steady writes;
@@ -108,6 +109,26 @@ def _report_json(current: int, end: int, caught_up_at: int, at: int) -> bytes:
     ).encode()
 
 
+def _node_report_json(node_id: str, hosted: dict[str, list[int]], at: int, lags: str) -> bytes:
+    """`report:<id>` (the contract's compact encoding), formatted directly like _report_json;
+    `lags` is its "lag" list, aligned with the active then the standby partitions."""
+    active = ",".join(map(str, hosted["active"]))
+    standby = ",".join(map(str, hosted["standby"]))
+    return (
+        f'{{"v":1,"node_id":"{node_id}","generation":1,"at_ms":{at},"stores":{{"{STORE}":'
+        f'{{"active":[{active}],"standby":[{standby}],"lag":[{lags}]}}}}}}'
+    ).encode()
+
+
+def _lags(count: int, probe_index: int | None, probe_entry: str) -> str:
+    """Every replica caught up 5 ms before the report (lag 0, newest record at the report),
+    the probe partition's entry as given."""
+    entries = ["[0,5,0]"] * count
+    if probe_index is not None:
+        entries[probe_index] = probe_entry
+    return ",".join(entries)
+
+
 def run_writer(
     plan: WriterPlan, stop: Any, probe_lag: Synchronized[int], written: Any, started: Any
 ) -> None:
@@ -120,6 +141,12 @@ def run_writer(
         n: assignment.for_node(n).get(STORE, {"active": [], "standby": []}) for n in plan.mine
     }
     fields = {n: [f"{STORE}/{p}" for ps in hosted[n].values() for p in ps] for n in plan.mine}
+    probe_index = {
+        n: ([*hosted[n]["active"], *hosted[n]["standby"]].index(PROBE_PARTITION))
+        if PROBE_PARTITION in hosted[n]["active"]
+        else None
+        for n in plan.mine
+    }
     urls = dict(zip(plan.nodes, plan.urls, strict=True))
     probe_node = placed[PROBE_PARTITION].active
     last_probe = 0
@@ -150,6 +177,15 @@ def run_writer(
                 if reports:
                     pipe.hset(keys.lag(node_id), mapping=reports)  # type: ignore[arg-type]
                     pipe.pexpire(keys.lag(node_id), ALIVE_TTL_MS * 10)
+                caught_up_ago = 5 if lag_now == 0 else at - int(origin * 1000)
+                lags = _lags(
+                    len(fields[node_id]), probe_index[node_id], f"[{lag_now},{caught_up_ago},0]"
+                )
+                pipe.set(
+                    keys.report(node_id),
+                    _node_report_json(node_id, hosted[node_id], at, lags),
+                    px=ALIVE_TTL_MS * 10,
+                )
             pipe.execute()
             if probe_node in group and lag_now != last_probe:
                 written.put((lag_now, time.time()))

@@ -12,7 +12,9 @@ and placed nowhere); `node:<id>` NodeInfo (the node); `alive:<id>` "1" with
 a TTL, the heartbeat (the node); `store:<name>` StoreInfo (every node hosting the store, who
 must agree); `hosting:<id>` Hosting, what a node serves (the node);
 
-`lag:<id>` hash `<store>/<partition>` -> PartitionReport (the node); `assignment` Assignment
+`lag:<id>` hash `<store>/<partition>` -> PartitionReport (the node); `report:<id>` NodeReport,
+optional, the same hosting and lags compactly, without positions (the node, in the same
+transaction: `write_node_report`); `assignment` Assignment
 (the leader); `leader` the leader's id with a lease TTL; `dead_since` hash node id -> ms when a
 leader first saw it dead (the leader); pub/sub channel `events` Event.
 
@@ -30,6 +32,8 @@ import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, TypeVar
+
+import orjson
 
 SCHEMA_VERSION = 1
 DEFAULT_CLUSTER = "default"
@@ -66,6 +70,10 @@ class Keys:
 
     def lag(self, node_id: str) -> str:
         return f"{self.prefix}lag:{node_id}"
+
+    def report(self, node_id: str) -> str:
+        """NodeReport: hosting and lags in one compact value, beside `hosting` and `lag`."""
+        return f"{self.prefix}report:{node_id}"
 
     @property
     def nodes(self) -> str:
@@ -285,3 +293,180 @@ def decode_assignment(raw: bytes | str) -> Assignment:
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ContractError(f"not an Assignment: {exc}") from exc
     return _build(Assignment, {**body, "stores": stores})
+
+
+# -- the compact per-node report ---------------------------------------------------------------
+
+# One replica's lag in a NodeReport: [lag, at_ms - caught_up_at_ms, at_ms - newest_record_ms]
+# (the two "ago" values None when unknown); None for a partition without a report.
+LagEntry = tuple[int | None, int | None, int | None]
+_NODE_REPORT_FIELDS = frozenset({"v", "node_id", "generation", "at_ms", "stores"})
+_STORE_FIELDS = frozenset({"active", "standby", "lag"})
+
+
+@dataclass(frozen=True)
+class NodeReport:
+    """`report:<id>`: what `hosting:<id>` says and every hosted replica's lag from
+    `lag:<id>`, in a few bytes a replica. No positions (`current_offset`): they change on
+    every report and are what makes `lag:<id>` big; readers take them from `lag:<id>`, less
+    often (a position only grows, so an older one is a lower bound)."""
+
+    node_id: str
+    generation: int
+    at_ms: int  # hosting's updated_at_ms and every entry's updated_at_ms
+    stores: Mapping[str, Mapping[Role, tuple[int, ...]]]
+    # Per store, aligned with stores[store]["active"] then stores[store]["standby"].
+    lags: Mapping[str, tuple[LagEntry | None, ...]]
+
+    def hosting(self) -> Hosting:
+        return Hosting(self.node_id, self.generation, self.stores, self.at_ms)
+
+    def partition_reports(
+        self, positions: Mapping[tuple[str, int], int]
+    ) -> dict[tuple[str, int], PartitionReport]:
+        """(store, partition) -> its report, rebuilt around a known position (0 if none):
+        the lag and the times exact, the position a lower bound."""
+        # On the proxy's sweep for every replica of every node: kept lean (positional).
+        at = self.at_ms
+        reports: dict[tuple[str, int], PartitionReport] = {}
+        for store, roles in self.stores.items():
+            hosted = (*roles.get("active", ()), *roles.get("standby", ()))
+            for partition, entry in zip(hosted, self.lags[store], strict=True):
+                if entry is None:
+                    continue
+                lag, caught_up_ago, newest_ago = entry
+                where = (store, partition)
+                position = positions.get(where, 0)
+                reports[where] = PartitionReport(
+                    position,  # current_offset
+                    None if lag is None else position + lag,  # end_offset
+                    None if newest_ago is None else at - newest_ago,  # newest_record_ms
+                    None if caught_up_ago is None else at - caught_up_ago,  # caught_up_at_ms
+                    at,  # updated_at_ms
+                )
+        return reports
+
+
+def node_report(hosting: Hosting, reports: Mapping[tuple[str, int], PartitionReport]) -> NodeReport:
+    """The NodeReport of a hosting and its reports. Its time is the oldest of theirs, so no
+    entry reads younger than the report it comes from."""
+    hosted = {
+        (store, p): reports.get((store, p))
+        for store, roles in hosting.stores.items()
+        for p in (*roles.get("active", ()), *roles.get("standby", ()))
+    }
+    at = min([hosting.updated_at_ms, *(r.updated_at_ms for r in hosted.values() if r is not None)])
+
+    def entry(report: PartitionReport | None) -> LagEntry | None:
+        if report is None:
+            return None
+        return (
+            report.lag,
+            None if report.caught_up_at_ms is None else at - report.caught_up_at_ms,
+            None if report.newest_record_ms is None else at - report.newest_record_ms,
+        )
+
+    lags = {
+        store: tuple(
+            entry(hosted[(store, p)]) for p in (*roles.get("active", ()), *roles.get("standby", ()))
+        )
+        for store, roles in hosting.stores.items()
+    }
+    return NodeReport(hosting.node_id, hosting.generation, at, hosting.stores, lags)
+
+
+def encode_node_report(report: NodeReport) -> bytes:
+    stores = {
+        store: {
+            "active": list(roles.get("active", ())),
+            "standby": list(roles.get("standby", ())),
+            "lag": [None if e is None else list(e) for e in report.lags[store]],
+        }
+        for store, roles in report.stores.items()
+    }
+    body = {
+        "v": SCHEMA_VERSION,
+        "node_id": report.node_id,
+        "generation": report.generation,
+        "at_ms": report.at_ms,
+        "stores": stores,
+    }
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def decode_node_report(raw: bytes | str) -> NodeReport:
+    """Strict: another `v`, a field this contract does not list, a value of the wrong type,
+    a lag list not aligned with the partitions or a negative lag is refused."""
+    try:
+        body = orjson.loads(raw)  # read on every sweep: orjson's C parser, ~4x json's
+    except orjson.JSONDecodeError as exc:
+        raise ContractError(f"not JSON: {raw[:80]!r}") from exc
+    if not isinstance(body, dict):
+        raise ContractError(f"expected a JSON object, got {type(body).__name__}")
+    if body.get("v") != SCHEMA_VERSION:
+        raise ContractError(f"schema version {body.get('v')!r}; this reader understands 1")
+    if body.keys() != _NODE_REPORT_FIELDS:
+        raise ContractError(f"not a NodeReport: fields {sorted(body)}")
+    node_id, generation, at_ms = body["node_id"], body["generation"], body["at_ms"]
+    if not isinstance(node_id, str) or not _is_int(generation) or not _is_int(at_ms):
+        raise ContractError("not a NodeReport: node_id, generation or at_ms of the wrong type")
+    if not isinstance(body["stores"], dict):
+        raise ContractError("not a NodeReport: stores is not an object")
+    stores: dict[str, dict[Role, tuple[int, ...]]] = {}
+    lags: dict[str, tuple[LagEntry | None, ...]] = {}
+    for store, value in body["stores"].items():
+        stores[store], lags[store] = _store_report(store, value)
+    return NodeReport(node_id, generation, at_ms, stores, lags)
+
+
+def _store_report(
+    store: str, value: Any
+) -> tuple[dict[Role, tuple[int, ...]], tuple[LagEntry | None, ...]]:
+    if not isinstance(value, dict) or set(value) != _STORE_FIELDS:
+        raise ContractError(f"not a NodeReport: store {store!r} is not {sorted(_STORE_FIELDS)}")
+    active, standby, lag = value["active"], value["standby"], value["lag"]
+    for partitions in (active, standby):
+        if not isinstance(partitions, list) or not all(
+            type(p) is int and p >= 0 for p in partitions
+        ):
+            raise ContractError(f"not a NodeReport: store {store!r} partitions not integers")
+    if not isinstance(lag, list) or len(lag) != len(active) + len(standby):
+        raise ContractError(f"not a NodeReport: store {store!r} lag not aligned with partitions")
+    return {"active": tuple(active), "standby": tuple(standby)}, tuple(map(_lag_entry, lag))
+
+
+def _lag_entry(value: Any) -> LagEntry | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) != 3:
+        raise ContractError(f"not a NodeReport: lag entry {value!r} is not [lag, ago, ago]")
+    lag, caught_up_ago, newest_ago = value
+    if not all(v is None or type(v) is int for v in value) or (lag is not None and lag < 0):
+        raise ContractError(f"not a NodeReport: lag entry {value!r} is not [lag ≥ 0, ago, ago]")
+    return lag, caught_up_ago, newest_ago
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def write_node_report(
+    pipe: Any,
+    keys: Keys,
+    hosting: Hosting,
+    reports: Mapping[tuple[str, int], PartitionReport],
+    expire_ms: int,
+) -> None:
+    """Queue a node's whole report on `pipe` (a MULTI/EXEC pipeline, so readers never see
+    half of it): `hosting:<id>`, `lag:<id>` replaced as a whole and expiring in `expire_ms`,
+    and `report:<id>` (the same, compact, expiring with it). Every writer writes through this,
+    so the three keys cannot disagree."""
+    node_id = hosting.node_id
+    lag_key = keys.lag(node_id)
+    pipe.set(keys.hosting(node_id), encode(hosting))
+    pipe.delete(lag_key)
+    if reports:
+        fields = {lag_field(store, p): encode(r) for (store, p), r in reports.items()}
+        pipe.hset(lag_key, mapping=fields)
+        pipe.pexpire(lag_key, expire_ms)
+    pipe.set(keys.report(node_id), encode_node_report(node_report(hosting, reports)), px=expire_ms)

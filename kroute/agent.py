@@ -60,7 +60,7 @@ from common.contract import (
     StoreInfo,
     decode_assignment,
     encode,
-    lag_field,
+    write_node_report,
 )
 from materializer.kafka_offsets import fetch_high_watermarks
 
@@ -168,6 +168,7 @@ class Agent:
         # while a partition was revoked must not publish it again.
         self._writing = asyncio.Lock()
         self._ends: dict[int, EndHistory] = {}
+        self._last_reports: dict[int, PartitionReport] = {}  # as last written, by partition
         self._kafka: AIOKafkaClient | None = None
 
     @classmethod
@@ -279,7 +280,7 @@ class Agent:
     async def report(self, positions: PositionSource | None) -> None:
         """Write hosting and lag (one transaction, lag replaced as a whole). Without
         `positions` (a rebalance callback) only hosting changes: no lag reports are lost."""
-        reports: dict[str, bytes] | None = None
+        reports: dict[int, PartitionReport] | None = None
         if positions is not None:
             held = self.held
             if held:
@@ -291,9 +292,10 @@ class Agent:
                 await self._merge_assignment()
             await self._write_hosting(reports)
 
-    async def _write_hosting(self, reports: dict[str, bytes] | None) -> None:
+    async def _write_hosting(self, reports: dict[int, PartitionReport] | None) -> None:
         """hosting and lag from `held` as it is now (the caller holds `_writing`): reports
-        of partitions revoked since they were read are dropped."""
+        of partitions revoked since they were read are dropped. Without `reports` (a
+        rebalance) the last ones written stand for the partitions still held."""
         held = self.held
         at = self.clock.now_ms()
         hosting = Hosting(
@@ -302,26 +304,19 @@ class Agent:
             {self.store.name: {"active": tuple(sorted(held)), "standby": ()}},
             at,
         )
-        lag_key = self.keys.lag(self.node.node_id)
+        source = self._last_reports if reports is None else reports
+        kept = {p: r for p, r in source.items() if p in held}
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.set(self.keys.hosting(self.node.node_id), encode(hosting))
-            if reports is None:  # drop reports of partitions given up, keep the others
-                gone = [
-                    lag_field(self.store.name, p)
-                    for p in range(self.store.partitions)
-                    if p not in held
-                ]
-                if gone:
-                    pipe.hdel(lag_key, *gone)
-            else:
-                still_held = {lag_field(self.store.name, p) for p in held}
-                kept = {f: r for f, r in reports.items() if f in still_held}
-                pipe.delete(lag_key)
-                if kept:
-                    pipe.hset(lag_key, mapping=kept)  # type: ignore[arg-type]
-                    pipe.pexpire(lag_key, self.timing.alive_ttl_ms * 10)
+            write_node_report(
+                pipe,
+                self.keys,
+                hosting,
+                {(self.store.name, p): r for p, r in kept.items()},
+                self.timing.alive_ttl_ms * 10,
+            )
             pipe.publish(self.keys.events, encode(Event("lag", node_id=self.node.node_id)))
             await pipe.execute()
+        self._last_reports = kept
 
     async def _read_ends(self, held: Collection[int], positions: Mapping[int, int]) -> None:
         assert self._kafka is not None
@@ -336,7 +331,9 @@ class Agent:
         for partition, end in ends.items():
             self._ends.setdefault(partition, EndHistory()).recent.append((end, asked_at))
 
-    async def _reports(self, held: Collection[int], positions: PositionSource) -> dict[str, bytes]:
+    async def _reports(
+        self, held: Collection[int], positions: PositionSource
+    ) -> dict[int, PartitionReport]:
         at = self.clock.now_ms()
         known = await positions(held)
         reports = {}
@@ -354,7 +351,7 @@ class Agent:
                 else self.clock.conservative_ms(caught_up_at),
                 updated_at_ms=at,
             )
-            reports[lag_field(self.store.name, partition)] = encode(report)
+            reports[partition] = report
         return reports
 
     async def _merge_assignment(self) -> None:

@@ -17,7 +17,7 @@ import argparse
 import json
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
 import orjson
@@ -25,7 +25,16 @@ import redis
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from common.clock import CLOCK_TOLERANCE_MS
-from common.contract import DEFAULT_CLUSTER, SCHEMA_VERSION, Keys, as_text, lag_field
+from common.contract import (
+    DEFAULT_CLUSTER,
+    SCHEMA_VERSION,
+    ContractError,
+    Keys,
+    NodeReport,
+    as_text,
+    decode_node_report,
+    lag_field,
+)
 from kroute.errors import KrouteError, UsageError
 from partitioner import ALGORITHMS, KEY_FORMATS
 
@@ -36,7 +45,7 @@ M = TypeVar("M", bound=BaseModel)
 REPORT_STALE_MS = 3_000
 MAX_ALIVE_TTL_MS = 10_000  # a longer TTL is legal but keeps a dead node "alive" that long
 _KNOWN_KEYS = ("nodes", "stores", "assignment", "leader", "dead_since", "events")
-_PER_NODE = ("node", "alive", "hosting", "lag")
+_PER_NODE = ("node", "alive", "hosting", "lag", "report")
 
 
 # -- the values, strictly ----------------------------------------------------------------------
@@ -225,7 +234,10 @@ def _check_node(
     if hosting is not None:
         _check_hosting(keys.hosting(node_id), hosting, report, seen, node_id=node_id, now_ms=now_ms)
         seen.hostings[node_id] = hosting
-    _check_lag(client, keys.lag(node_id), report, seen, hosting=hosting, now_ms=now_ms)
+    lags = _check_lag(client, keys.lag(node_id), report, seen, hosting=hosting, now_ms=now_ms)
+    _check_node_report(
+        client, keys, report, node_id=node_id, hosting=hosting, lags=lags, now_ms=now_ms
+    )
 
 
 def _check_alive(
@@ -270,7 +282,8 @@ def _check_lag(
     *,
     hosting: HostingValue | None,
     now_ms: int,
-) -> None:
+) -> dict[tuple[str, int], ReportValue]:
+    """The hash's reports that decode, by (store, partition)."""
     hosted = {
         (store, p) for store, roles in (hosting.stores if hosting else {}).items()
         for ps in roles.values() for p in ps
@@ -278,7 +291,8 @@ def _check_lag(
     kind = _type(client, key)
     if kind not in ("none", "hash"):
         report.error(key, f"is a {kind}, must be a hash")
-        return
+        return {}
+    decoded: dict[tuple[str, int], ReportValue] = {}
     fields = client.hgetall(key) if kind == "hash" else {}
     reported = {as_text(f) for f in fields}
     missing = sorted(f"{s}/{p}" for s, p in hosted if lag_field(s, p) not in reported)
@@ -294,10 +308,94 @@ def _check_lag(
         value = _decode(where, _as_bytes(raw), report, ReportValue)
         if value is None:
             continue
+        decoded[(store, int(partition))] = value
         _check_partitions(where, store, [int(partition)], report, seen)
         if (store, int(partition)) not in hosted:
             report.error(where, "a report for a partition the node's hosting does not list")
         _check_report(where, value, report, now_ms)
+    return decoded
+
+
+def _check_node_report(
+    client: redis.Redis,
+    keys: Keys,
+    report: Report,
+    *,
+    node_id: str,
+    hosting: HostingValue | None,
+    lags: Mapping[tuple[str, int], ReportValue],
+    now_ms: int,
+) -> None:
+    """`report:<id>` (optional) decodes and says what `hosting:<id>` and `lag:<id>` say:
+    proxies read it instead of them between their reads of those."""
+    key = keys.report(node_id)
+    kind = _type(client, key)
+    if kind == "none":
+        return
+    if kind != "string":
+        report.error(key, f"is a {kind}, must be a string holding JSON")
+        return
+    try:
+        compact = decode_node_report(_as_bytes(client.get(key)) or b"")
+    except (ContractError, ValueError, RecursionError) as exc:
+        report.error(key, f"proxies refuse it and read hosting and lag instead: {exc}")
+        return
+    if compact.node_id != node_id:
+        report.error(key, f"node_id is {compact.node_id!r}, the key says {node_id!r}")
+    _check_time(key, "at_ms", compact.at_ms, report, now_ms=now_ms, fresh=False)
+    if hosting is None:
+        report.error(key, f"present without {keys.hosting(node_id)}: written apart from it")
+        return
+    if compact.generation != hosting.generation or _roles(compact.stores) != _roles(hosting.stores):
+        report.error(key, f"disagrees with {keys.hosting(node_id)} on what the node serves")
+    _check_compact_lags(key, compact, lags, report, keys.lag(node_id))
+
+
+def _roles(
+    stores: Mapping[str, Mapping[Any, Iterable[int]]],
+) -> dict[str, dict[str, tuple[int, ...]]]:
+    """Stores and roles as comparable values (a missing role and an empty one alike)."""
+    return {
+        store: {role: tuple(roles.get(role, ())) for role in ("active", "standby")}
+        for store, roles in stores.items()
+    }
+
+
+def _check_compact_lags(
+    key: str,
+    compact: NodeReport,
+    lags: Mapping[tuple[str, int], ReportValue],
+    report: Report,
+    lag_key: str,
+) -> None:
+    rebuilt = compact.partition_reports({})  # positions 0: lags and times are what counts
+    hosted = [
+        (store, p)
+        for store, roles in compact.stores.items()
+        for p in (*roles.get("active", ()), *roles.get("standby", ()))
+    ]
+    for where in hosted:
+        mine, theirs = rebuilt.get(where), lags.get(where)
+        name = lag_field(*where)
+        if mine is None or theirs is None:
+            if (mine is None) != (theirs is None):
+                said = "has no entry" if mine is None else "has an entry"
+                report.error(key, f"{name}: {said}, {lag_key} says otherwise")
+            continue
+        lag = (
+            None if theirs.end_offset is None else max(theirs.end_offset - theirs.current_offset, 0)
+        )
+        if (mine.lag, mine.caught_up_at_ms, mine.newest_record_ms) != (
+            lag,
+            theirs.caught_up_at_ms,
+            theirs.newest_record_ms,
+        ):
+            report.error(
+                key,
+                f"{name}: lag {mine.lag}, caught up at {mine.caught_up_at_ms}, newest record "
+                f"{mine.newest_record_ms}; {lag_key} says {lag}, {theirs.caught_up_at_ms}, "
+                f"{theirs.newest_record_ms}",
+            )
 
 
 def _check_report(where: str, value: ReportValue, report: Report, now_ms: int) -> None:

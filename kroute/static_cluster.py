@@ -28,10 +28,12 @@ from common.contract import (
     Role,
     StoreInfo,
     encode,
-    lag_field,
+    write_node_report,
 )
 
 END_OFFSET = 1_000  # every partition's published high watermark
+# Its reports stand until the caller publishes again (a fixture: no process renews them).
+REPORT_EXPIRE_MS = 24 * 3600 * 1000
 
 
 def round_robin(
@@ -86,12 +88,13 @@ class StaticCluster:
                 store: {role: tuple(parts) for role, parts in roles.items()}
                 for store, roles in assignment.for_node(node_id).items()
             }
-            pipe.set(keys.hosting(node_id), encode(Hosting(node_id, self.generation, hosted, at)))
-            pipe.delete(keys.lag(node_id))
-            for store, roles in hosted.items():
-                for partition in (p for parts in roles.values() for p in parts):
-                    report = self._report(node_id, store, partition, at)
-                    pipe.hset(keys.lag(node_id), lag_field(store, partition), encode(report))
+            reports = {
+                (store, partition): self._report(node_id, store, partition, at)
+                for store, roles in hosted.items()
+                for partition in (p for parts in roles.values() for p in parts)
+            }
+            hosting = Hosting(node_id, self.generation, hosted, at)
+            write_node_report(pipe, keys, hosting, reports, REPORT_EXPIRE_MS)
         pipe.set(keys.assignment, encode(assignment))
         pipe.publish(keys.events, encode(Event("assignment", generation=self.generation)))
         pipe.execute()

@@ -49,7 +49,7 @@ from common.contract import (
     decode_report,
     decode_store,
     encode,
-    lag_field,
+    write_node_report,
 )
 from materializer.assignment import Member, compute_assignment
 
@@ -176,10 +176,7 @@ class ClusterMember:
             # Reports carry times proxies compare with Redis time: never the local clock's.
             await self.sync_clock()
         hosting = self.hosting()
-        reports = {
-            lag_field(self.store.name, p): encode(self._conservative(r))
-            for p, r in self.reports().items()
-        }
+        reports = {(self.store.name, p): self._conservative(r) for p, r in self.reports().items()}
         # What it serves, not when it said so: an event only when that changes.
         serving = (hosting.generation, sorted(hosting.stores.items()))
 
@@ -187,11 +184,7 @@ class ClusterMember:
         # left behind (caught up then, restoring now) or partitions it gave up must not pass
         # for current ones, nor may a reader see the hash half-written.
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.set(self.keys.hosting(self.node.node_id), encode(hosting))
-            pipe.delete(self.keys.lag(self.node.node_id))
-            if reports:
-                pipe.hset(self.keys.lag(self.node.node_id), mapping=reports)  # type: ignore[arg-type]
-                pipe.pexpire(self.keys.lag(self.node.node_id), self.timing.alive_ttl_ms * 10)
+            write_node_report(pipe, self.keys, hosting, reports, self.timing.alive_ttl_ms * 10)
             if serving != self._last_hosting:
                 pipe.publish(self.keys.events, encode(Event("hosting", node_id=self.node.node_id)))
             await pipe.execute()
@@ -270,10 +263,10 @@ class ClusterMember:
 
     async def _forget_departed(self, members: Mapping[str, Member], assignment: Assignment) -> None:
         """Nodes dead for longer than the grace period, and placed nowhere, leave the contract:
-        out of `nodes` and `dead_since`, their `node`, `hosting` and `lag` keys deleted, and a
-        `node` event so proxies drop them. A node that comes back registers again with its next
-        heartbeat. Without this, `nodes` keeps every id that ever registered (pods get new ones)
-        and every reader reads more each time."""
+        out of `nodes` and `dead_since`, their `node`, `hosting`, `lag` and `report` keys
+        deleted, and a `node` event so proxies drop them. A node that comes back registers
+        again with its next heartbeat. Without this, `nodes` keeps every id that ever
+        registered (pods get new ones) and every reader reads more each time."""
         at = self.clock.now_ms()
         placed = {
             node for parts in assignment.stores.values() for p in parts.values()
@@ -294,7 +287,8 @@ class ClusterMember:
             pipe.srem(keys.nodes, *departed)
             pipe.hdel(keys.dead_since, *departed)
             for node_id in departed:
-                pipe.delete(keys.node(node_id), keys.hosting(node_id), keys.lag(node_id))
+                node_keys = (keys.node, keys.hosting, keys.lag, keys.report)
+                pipe.delete(*(key(node_id) for key in node_keys))
                 pipe.publish(keys.events, encode(Event("node", node_id=node_id)))
             await pipe.execute()
         log.info("departed nodes forgotten", nodes=departed, grace_ms=self.timing.grace_ms)

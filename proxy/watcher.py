@@ -6,10 +6,18 @@ Three kinds of reads, each a pipelined round trip or two:
   the assignment or the membership changed. The assignment (about 50 bytes a partition) is
   read with it only after an `assignment` event, in a full read, and every
   `ASSIGNMENT_READ_S`, and decoded (in a thread) only when its bytes changed;
-- a *node read* (`node:<id>`, `hosting:<id>`, `lag:<id>`): soon after an event names the node
-  (`hosting`, `node`, `lag`), and for every node once per `lag_read_interval_ms` by a sweep
-  that reads a slice of the nodes every `TICK_S`: lag reports change on every report and are
-  not announced, so the sweep is what keeps them fresh, at an even rate instead of in bursts;
+- a *sweep* of every node once per `lag_read_interval_ms`, a slice of the nodes every
+  `TICK_S`: lag reports change on every report and are not announced, so the sweep is what
+  keeps them fresh, at an even rate instead of in bursts. It reads each node's compact
+  `report:<id>` (hosting and lags, a few bytes a replica: one MGET for the slice) and rebuilds
+  the node's hosting and reports from it, around the positions of its last node read (a
+  position only grows: an older one is a lower bound, still a correct preference for
+  read-your-writes). A node without a usable `report:<id>` (a writer that does not write it)
+  gets a node read instead;
+- a *node read* (`node:<id>`, `hosting:<id>`, `lag:<id>`: everything, with positions): soon
+  after an event names the node (`hosting`, `node`, `lag`), for every node once per
+  `NODE_READ_S` (spread evenly, like the sweep), and in the sweep for nodes without
+  `report:<id>`;
 - a *full read* (the head and every node): at start, after `refresh()` is called, on
   (re)subscribing, after a Redis error, on an event naming no node, and when a request is
   refused by a node (`refresh_soon`); at most once per `refresh_interval_ms`.
@@ -23,14 +31,14 @@ standing are renewed from the new replicas after the swap (`keep_choices`), in s
 every `STATS_LOG_S`), including the event loop's longest stall, from a 10 ms timer.
 
 Nothing the watcher does on the event loop grows with the table: a node's reports are decoded
-one node at a time, the table is kept by a `TableBuilder` that recomputes only the partitions
-an update touches (in steps of a few hundred partitions), and the watcher yields to the loop
-once a stretch of that work has lasted `STRETCH_S` (a millisecond); the new snapshot is
-swapped in with one assignment. `max_hold_ms` is the longest the watcher kept the loop in one
-go. In the proxy (`freeze_heap`), the heap is frozen after every swap (`gc.freeze`): the
-collector's full passes then walk only what was made since, not the code, the table and the
-cached choices (a full pass over those takes ~40 ms at 6,000 partitions), and the whole heap
-is collected once every `FULL_COLLECT_S`.
+one node at a time (redis-py parses the replies in C, with hiredis), the table is kept by a
+`TableBuilder` that recomputes only the partitions an update touches (in steps of a few hundred
+partitions), and the watcher yields to the loop once a stretch of that work has lasted
+`STRETCH_S` (a millisecond); the new snapshot is swapped in with one assignment. `max_hold_ms`
+is the longest the watcher kept the loop in one go. In the proxy (`freeze_heap`), the heap is
+frozen after every swap (`gc.freeze`): the collector's full passes then walk only what was made
+since, not the code, the table and the cached choices (a full pass over those takes ~40 ms at
+6,000 partitions), and the whole heap is collected once every `FULL_COLLECT_S`.
 
 When Redis cannot be read the last snapshot stays in use, the watcher reports itself degraded,
 and it keeps retrying on its own; the first good read clears the flag. Values that do not
@@ -72,6 +80,7 @@ from common.contract import (
     decode_event,
     decode_hosting,
     decode_node,
+    decode_node_report,
     decode_report,
     decode_store,
 )
@@ -91,6 +100,8 @@ TICK_S = 0.1  # the sweep reads a slice of the nodes this often
 # Values per round trip of node reads: redis-py parses a pipeline's whole reply without
 # yielding (~3 µs a value without hiredis), so this bounds that stretch to about a millisecond.
 VALUES_PER_PIPELINE = 300
+# `report:<id>` values per MGET of the sweep (each a few bytes a replica; hiredis parses them).
+REPORTS_PER_MGET = 100
 PIPELINES_IN_FLIGHT = 4
 PUBLISH_GAP_S = 0.2
 # Every node's reports at least this often; with PUBLISH_GAP_S, a report is routed by within
@@ -109,6 +120,10 @@ FULL_COLLECT_S = 600.0
 # an event published while the subscription is being made is gone). 5 s bounds how long a
 # lost rebalance goes unseen, for ~200 KB/s per proxy at 20,000 partitions.
 ASSIGNMENT_READ_S = 5.0
+# Every node gets a node read (node:<id>, hosting:<id> and lag:<id> with its positions) at
+# least this often, even when the sweep reads its compact `report:<id>`: a position only grows,
+# so one up to this old is a lower bound, and a URL change without a `node` event is seen.
+NODE_READ_S = ASSIGNMENT_READ_S
 # The request path's renewal of its cached choices of some partitions of a store (see
 # `TableWatcher.keep_choices`).
 Renew = Callable[[RoutingSnapshot, str, list[int]], None]
@@ -119,7 +134,8 @@ class WatcherStats:
     """What the control plane costs this proxy (read by benchmarks and logged at debug)."""
 
     head_reads: int = 0
-    node_reads: int = 0
+    node_reads: int = 0  # nodes read, either way
+    report_reads: int = 0  # of them, from `report:<id>` alone
     full_reads: int = 0
     commands: int = 0  # Redis commands sent (a pipeline counts each)
     reply_bytes: int = 0  # the values read, an estimate of the reply bytes
@@ -172,9 +188,12 @@ class TableWatcher:
         self._table = TableBuilder()
         self._node_ids: list[str] = []  # the `nodes` set at the last head read
         self._named: set[str] = set()  # nodes an event named since their last read
-        self._sweep: deque[str] = deque()
-        self._sweep_credit = 0.0  # nodes owed to the sweep (fractions carry over)
-        self._last_sweep_s = time.monotonic()
+        self._sweep = _Round(self.lag_read_interval_s)
+        self._node_round = _Round(NODE_READ_S)  # node reads of nodes that write report:
+        # What the last node read said, for the sweep's reads of `report:<id>`: the node's
+        # info (None: not routable) and each replica's position.
+        self._infos: dict[str, NodeInfo | None] = {}
+        self._positions: dict[str, dict[tuple[str, int], int]] = {}
         self._head_due = True
         self._assignment_due = True
         self._last_assignment_s = 0.0
@@ -244,9 +263,12 @@ class TableWatcher:
         # brought (lag reports) at most every PUBLISH_GAP_S: each swap makes the request path
         # recompute the choices of the partitions it changed.
         urgent = bool(self._named) or self._last_head_s >= now
-        due = self._named | set(self._sweep_slice())
+        swept = self._sweep.due(self._node_ids)
+        whole = self._named | set(self._node_round.due(self._node_ids))
+        whole |= {n for n in swept if n not in self._infos}  # never read whole: info unknown
         self._named = set()
-        await self._read_nodes(sorted(due))
+        await self._read_nodes(sorted(whole))
+        await self._read_reports([n for n in swept if n not in whole])
         if urgent or time.monotonic() - self._last_swap_s >= PUBLISH_GAP_S:
             await self._publish()
 
@@ -257,26 +279,10 @@ class TableWatcher:
         await self._read_head()
         self._named = set()
         await self._read_nodes(self._node_ids)
-        self._sweep = deque(self._node_ids)  # every node was just read: start a new round
+        self._sweep.restart(self._node_ids)  # every node was just read: start new rounds
+        self._node_round.restart(self._node_ids)
         self.stats.full_reads += 1
         await self._publish()
-
-    def _sweep_slice(self) -> list[str]:
-        """The nodes due in the round that reads every node once per lag read interval: as
-        many as the time since the last slice asks for, however long the ticks really took."""
-        now = time.monotonic()
-        elapsed, self._last_sweep_s = now - self._last_sweep_s, now
-        self._sweep_credit += len(self._node_ids) * min(elapsed, 1.0) / self.lag_read_interval_s
-        count = int(self._sweep_credit)
-        self._sweep_credit -= count
-        due = []
-        for _ in range(count):
-            if not self._sweep:
-                self._sweep = deque(self._node_ids)
-                if not self._sweep:
-                    break
-            due.append(self._sweep.popleft())
-        return due
 
     async def _guarded(self, read: Callable[[], Any]) -> None:
         try:
@@ -342,6 +348,8 @@ class TableWatcher:
         table.set_alive({n for n, f in zip(node_ids, alive_flags, strict=True) if f is not None})
         for gone in set(self._node_ids) - set(node_ids):
             table.forget_node(gone)
+            self._infos.pop(gone, None)
+            self._positions.pop(gone, None)
         self._named |= set(node_ids) - set(self._node_ids) - set(table.nodes)
         self._node_ids = node_ids
         self.stats.head_reads += 1
@@ -367,6 +375,69 @@ class TableWatcher:
                 await self._read_chunk(chunks.popleft())
 
         await asyncio.gather(*(reader() for _ in range(min(PIPELINES_IN_FLIGHT, len(chunks)))))
+
+    async def _read_reports(self, node_ids: list[str]) -> None:
+        """The sweep's read of nodes whose info is known: their `report:<id>` in one MGET
+        (a few, in flight at once, for many nodes); a node read for those without one."""
+        known = set(self._node_ids)
+        wanted = [n for n in node_ids if n in known]
+        chunks = deque(
+            wanted[i : i + REPORTS_PER_MGET] for i in range(0, len(wanted), REPORTS_PER_MGET)
+        )
+        without: list[str] = []
+
+        async def reader() -> None:
+            while chunks:
+                without.extend(await self._read_report_chunk(chunks.popleft()))
+
+        await asyncio.gather(*(reader() for _ in range(min(PIPELINES_IN_FLIGHT, len(chunks)))))
+        await self._read_nodes(sorted(without))
+
+    async def _read_report_chunk(self, chunk: list[str]) -> list[str]:
+        """Apply the chunk's `report:<id>` values; the nodes without a usable one."""
+        raws = await self.redis.mget([self.keys.report(node_id) for node_id in chunk])
+        at = self.clock.now_ms()  # after the reports arrived: none can be newer but by skew
+        self._count(1, raws)
+        self._hold()
+        without = []
+        for node_id, raw in zip(chunk, raws, strict=True):
+            if self._apply_report(node_id, raw, at):
+                self.stats.node_reads += 1
+                self.stats.report_reads += 1
+            else:
+                without.append(node_id)
+            await self._pace()
+        return without
+
+    def _apply_report(self, node_id: str, raw: Any, at: int) -> bool:
+        """A node's hosting and reports from its `report:<id>`, positions from its last node
+        read; False when there is none to apply (absent, or breaking the contract: skipped,
+        logged once) and the node needs a node read."""
+        if raw is None or node_id not in self._infos:
+            return False
+        report = self._decoded(decode_node_report, raw, f"report:{node_id}")
+        if report is None:
+            return False
+        if report.node_id != node_id:
+            self._warn_once(
+                f"report-of:{node_id}:{report.node_id}",
+                "ignoring a report naming another node",
+                key=f"report:{node_id}",
+                names=report.node_id,
+            )
+            return False
+        info = self._infos[node_id]
+        if info is None:
+            return True  # not routable (its node read said so): nothing to apply
+        reports = {
+            where: partition_report
+            for where, partition_report in report.partition_reports(
+                self._positions.get(node_id, {})
+            ).items()
+            if not self._from_the_future(node_id, partition_report, at)
+        }
+        self._table.set_node(node_id, info, report.hosting(), reports)
+        return True
 
     def _chunks(self, node_ids: list[str]) -> Iterable[list[str]]:
         """Node ids in groups of about VALUES_PER_PIPELINE values (by their last report)."""
@@ -404,6 +475,11 @@ class TableWatcher:
         info = self._decoded(decode_node, raw_node, f"node:{node_id}")
         if info is None or not self._allowed(info):
             self._table.set_node(node_id, None, None, {})
+            if info is None:  # not registered (yet): read whole again by the next sweep
+                self._infos.pop(node_id, None)
+            else:
+                self._infos[node_id] = None
+            self._positions.pop(node_id, None)
             return
         hosting: Hosting | None = self._decoded(decode_hosting, raw_hosting, f"hosting:{node_id}")
         reports: dict[tuple[str, int], PartitionReport] = {}
@@ -415,6 +491,8 @@ class TableWatcher:
             if partition.isascii() and partition.isdigit():  # "²" is a digit int() refuses
                 reports[(store, int(partition))] = report
         self._table.set_node(node_id, info, hosting, reports)
+        self._infos[node_id] = info
+        self._positions[node_id] = {where: r.current_offset for where, r in reports.items()}
 
     async def _publish(self) -> None:
         """Recompute what changed (yielding between steps) and swap the new snapshot in."""
@@ -680,6 +758,35 @@ class TableWatcher:
             # read everything (at most once per refresh interval; the head at once).
             self._full_due = self._head_due = True
         self._wake.set()
+
+
+class _Round:
+    """Every node once per `interval_s`, a slice at a time: as many nodes as the time since
+    the last slice asks for, however long the ticks really took."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self.queue: deque[str] = deque()
+        self.credit = 0.0  # nodes owed (fractions carry over)
+        self.last_s = time.monotonic()
+
+    def restart(self, node_ids: list[str]) -> None:
+        self.queue = deque(node_ids)
+
+    def due(self, node_ids: list[str]) -> list[str]:
+        now = time.monotonic()
+        elapsed, self.last_s = now - self.last_s, now
+        self.credit += len(node_ids) * min(elapsed, 1.0) / self.interval_s
+        count = int(self.credit)
+        self.credit -= count
+        due = []
+        for _ in range(count):
+            if not self.queue:
+                self.queue = deque(node_ids)
+                if not self.queue:
+                    break
+            due.append(self.queue.popleft())
+        return due
 
 
 def _size(reply: Any) -> int:

@@ -57,7 +57,7 @@ from common.contract import (
     Role,
     StoreInfo,
     encode,
-    lag_field,
+    write_node_report,
 )
 from kroute.adapters import probing
 from kroute.adapters.fencing import OwnerLease
@@ -698,8 +698,8 @@ class FaustAdapter:
                         "active": claims[url],
                         "standby": seen.standbys.get(url, ()),
                     }
-                    self._publish_live(pipe, node_id, roles, generation, seen.answered_at[url])
-                    self._publish_lag(pipe, node_id, claims[url], reports)
+                    self._publish_live(pipe, node_id, seen.answered_at[url])
+                    self._publish_report(pipe, node_id, roles, generation, reports)
                 elif self.failures[url] >= self.settings.dead_after:
                     pipe.delete(keys.alive(node_id))
             pipe.publish(keys.events, encode(Event("hosting", generation=generation)))
@@ -712,37 +712,33 @@ class FaustAdapter:
         if not written:
             log.warning("round not published: the lease or assignment changed meanwhile")
 
-    def _publish_live(
-        self,
-        pipe: Any,
-        node_id: str,
-        roles: dict[Role, tuple[int, ...]],
-        generation: int,
-        answered_at_ms: int,
-    ) -> None:
-        keys, store = self.keys, self.settings.store
+    def _publish_live(self, pipe: Any, node_id: str, answered_at_ms: int) -> None:
+        keys = self.keys
         # The worker is known alive as of its answer, not as of now: a TTL counted from now
         # would vouch for a worker that died after answering for longer than the TTL says.
         ttl = _remaining_ttl(self.settings.alive_ttl_ms, answered_at_ms)
         if ttl > 0:
             pipe.set(keys.alive(node_id), "1", px=ttl)
-        hosting = Hosting(node_id, generation, {store: roles}, SHARED.now_ms())
-        pipe.set(keys.hosting(node_id), encode(hosting))
 
-    def _publish_lag(
+    def _publish_report(
         self,
         pipe: Any,
         node_id: str,
-        active: tuple[int, ...],
+        roles: dict[Role, tuple[int, ...]],
+        generation: int,
         reports: Mapping[int, PartitionReport],
     ) -> None:
-        # Replaced as a whole: no report may outlive the partition it was about.
-        key, store = self.keys.lag(node_id), self.settings.store
-        pipe.delete(key)
+        # hosting, and lag replaced as a whole: no report may outlive the partition it was
+        # about. The group's lag is the owner's: reported for the partitions it is active for.
+        store = self.settings.store
+        hosting = Hosting(node_id, generation, {store: roles}, SHARED.now_ms())
         owned = {p: placed.active for p, placed in (self.placement or {}).items()}
-        for p in active:
-            if p in reports and owned.get(p) == node_id:  # the group's lag is the owner's
-                pipe.hset(key, lag_field(store, p), encode(reports[p]))
+        lags = {
+            (store, p): reports[p]
+            for p in roles["active"]
+            if p in reports and owned.get(p) == node_id
+        }
+        write_node_report(pipe, self.keys, hosting, lags, self.settings.alive_ttl_ms * 10)
 
     def _warn_once(self, topic: str, message: str, **context: Any) -> None:
         if topic not in self._warned:

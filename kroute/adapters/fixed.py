@@ -59,6 +59,7 @@ from common.contract import (
     StoreInfo,
     encode,
     lag_field,
+    write_node_report,
 )
 from kroute.adapters import probing
 from kroute.adapters.fencing import OwnerLease
@@ -297,6 +298,9 @@ class FixedPlacement:
         self.started_at_ms: int | None = None  # `started_at_ms` of every node: this adapter's
         # (node, store, partition): each replica's own history, never another replica's.
         self._ends: dict[tuple[str, str, int], EndHistory] = {}
+        # node -> its last lag reports (GroupLag), rewritten with every round's hosting.
+        self._last_reports: dict[str, dict[tuple[str, int], PartitionReport]] = {}
+        self._expire_ms = spec.health.alive_ttl_ms * 10
         self._http = httpx.AsyncClient(timeout=spec.health.timeout_ms / 1000, trust_env=False)
         self._kafka: AIOKafkaClient | None = None
         self._admin: AIOKafkaAdminClient | None = None
@@ -370,11 +374,10 @@ class FixedPlacement:
             pipe.set(keys.node(node_id), encode(NodeInfo(node_id, url, started)))
             if self.failures[node_id] >= self.spec.health.dead_after:
                 pipe.delete(keys.alive(node_id))
-            # hosting is refreshed with the heartbeat: its age says this adapter runs
+            # hosting is refreshed with the heartbeat: its age says this adapter runs; the
+            # lag reports written with it are the last ones read (none: lag unknown).
             hosting = Hosting(node_id, generation, self.spec.hosting_of(node_id), at)
-            pipe.set(keys.hosting(node_id), encode(hosting))
-            if isinstance(self.spec.lag, UnknownLag):
-                pipe.delete(keys.lag(node_id))  # no report: lag unknown
+            write_node_report(pipe, keys, hosting, self._still_hosted(hosting), self._expire_ms)
         pipe.publish(keys.events, encode(Event("hosting", generation=generation)))
         pipe.time()  # keeps the clock in step without another round trip
 
@@ -423,13 +426,12 @@ class FixedPlacement:
         committed = await self._committed(admin, lag, stores)
         at = self.clock.now_ms()
 
-        def queue(pipe: Any, _generation: int) -> None:
+        def queue(pipe: Any, generation: int) -> None:
             for node_id in self.spec.nodes:
-                reports = self._reports(node_id, committed, at)
-                pipe.delete(self.keys.lag(node_id))
-                if reports:
-                    pipe.hset(self.keys.lag(node_id), mapping=reports)
-                    pipe.pexpire(self.keys.lag(node_id), self.spec.health.alive_ttl_ms * 10)
+                reports = self._lag_reports(node_id, committed, at)
+                self._last_reports[node_id] = reports
+                hosting = Hosting(node_id, generation, self.spec.hosting_of(node_id), at)
+                write_node_report(pipe, self.keys, hosting, reports, self._expire_ms)
             pipe.publish(self.keys.events, encode(Event("lag")))
 
         await self.lease.write(self.spec.placements(), LEADER_ID, at, queue)
@@ -458,6 +460,18 @@ class FixedPlacement:
         committed: Mapping[tuple[str, str, int], int],
         at: int,
     ) -> dict[str, bytes]:
+        """A node's lag reports as `lag:<id>` holds them."""
+        return {
+            lag_field(store, p): encode(r)
+            for (store, p), r in self._lag_reports(node_id, committed, at).items()
+        }
+
+    def _lag_reports(
+        self,
+        node_id: str,
+        committed: Mapping[tuple[str, str, int], int],
+        at: int,
+    ) -> dict[tuple[str, int], PartitionReport]:
         reports = {}
         for store, partition in self.reported(node_id):
             position = committed.get((node_id, store, partition))
@@ -467,9 +481,19 @@ class FixedPlacement:
             end, caught_up_at = history.report(position, at)
             if caught_up_at is not None:  # never fresher than true after a clock step
                 caught_up_at = self.clock.conservative_ms(caught_up_at)
-            report = PartitionReport(position, end, None, caught_up_at, at)
-            reports[lag_field(store, partition)] = encode(report)
+            reports[(store, partition)] = PartitionReport(position, end, None, caught_up_at, at)
         return reports
+
+    def _still_hosted(self, hosting: Hosting) -> dict[tuple[str, int], PartitionReport]:
+        """The last lag reports read for a node, of the partitions it still hosts."""
+        hosted = {
+            (store, p)
+            for store, roles in hosting.stores.items()
+            for ps in roles.values()
+            for p in ps
+        }
+        last = self._last_reports.get(hosting.node_id, {})
+        return {where: report for where, report in last.items() if where in hosted}
 
     async def _committed(
         self, admin: AIOKafkaAdminClient, lag: GroupLag, stores: Mapping[str, StoreInfo]

@@ -161,6 +161,21 @@ def _edit_report(client: redis.Redis, k: Keys, **changes: object) -> None:
     client.hset(k.lag("n1"), field, json.dumps(body))
 
 
+def _edit_node_report(client: redis.Redis, k: Keys, *, lag: bool) -> None:
+    """Make n1's report:<id> say another lag for its first partition (`lag`), or leave its
+    first partition out (what it serves then disagrees with hosting:<id>)."""
+    body = json.loads(client.get(k.report("n1")) or b"{}")
+    store = body["stores"]["customers"]
+    role = "active" if store["active"] else "standby"
+    index = 0 if role == "active" else len(store["active"])
+    if lag:
+        store["lag"][index] = [123_456, 0, 0]
+    else:
+        store[role] = store[role][1:]
+        del store["lag"][index]
+    _set_json(client, k.report("n1"), body)
+
+
 def _unhosted_report(client: redis.Redis, k: Keys) -> None:
     """n1 stops serving its first partition but leaves that partition's report standing."""
     body = _hosting(client, k, "n1")
@@ -201,9 +216,17 @@ BREAKS: dict[str, tuple[Break, str, str, str]] = {
             "customers": {"leader": [0]}}}),
         "error", "hosting:n1", "Input should be 'active' or 'standby'"),
     "hosting disagrees with the assignment": (
-        lambda c, k: (c.delete(k.lag("n1")), _set_json(c, k.hosting("n1"), {
+        lambda c, k: (c.delete(k.lag("n1"), k.report("n1")), _set_json(c, k.hosting("n1"), {
             **_hosting(c, k, "n1"), "stores": {"customers": {"active": [], "standby": []}}})),
         "warning", "assignment", "its hosting does not serve it so"),
+    "compact report not one": (
+        lambda c, k: _set_json(c, k.report("n1"), {"v": 1, "node_id": "n1"}),
+        "error", "report:n1", "proxies refuse it"),
+    "compact report disagrees with lag": (
+        lambda c, k: _edit_node_report(c, k, lag=True), "error", "report:n1", "lag 123456"),
+    "compact report disagrees with hosting": (
+        lambda c, k: _edit_node_report(c, k, lag=False), "error", "report:n1",
+        "disagrees with"),
     "lag report for a partition not hosted": (
         _unhosted_report, "error", "lag:n1", "a partition the node's hosting does not list"),
     "position past the end offset": (

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from hypothesis import given
@@ -23,10 +24,13 @@ from common.contract import (
     decode_event,
     decode_hosting,
     decode_node,
+    decode_node_report,
     decode_report,
     decode_store,
     encode,
+    encode_node_report,
     lag_field,
+    node_report,
 )
 
 
@@ -37,6 +41,7 @@ def test_key_names_are_stable():
     assert keys.store("customers") == "kroute:prod:store:customers"
     assert keys.hosting("n1") == "kroute:prod:hosting:n1"
     assert keys.lag("n1") == "kroute:prod:lag:n1"
+    assert keys.report("n1") == "kroute:prod:report:n1"
     assert keys.assignment == "kroute:prod:assignment"
     assert keys.leader == "kroute:prod:leader"
     assert keys.events == "kroute:prod:events"
@@ -117,3 +122,81 @@ def test_assignment_knows_each_nodes_roles():
     assert assignment.for_node("a") == {"s": {"active": [0], "standby": [1]}}
     assert assignment.for_node("b") == {"s": {"active": [1, 2], "standby": [0]}}
     assert assignment.for_node("z") == {}
+
+
+# -- report:<id>, the compact per-node report ---------------------------------------------------
+
+AT = 1_700_000_000_000
+HOSTING = Hosting("n1", 3, {"s": {"active": (0, 5), "standby": (2,)}}, AT)
+REPORTS = {
+    ("s", 0): PartitionReport(500, 500, AT - 10, AT - 5, AT),
+    ("s", 5): PartitionReport(100, 140, None, None, AT),
+    # partition 2 (standby) has no report: unknown lag
+}
+
+
+def test_a_node_report_is_compact_and_aligned_with_its_partitions():
+    raw = encode_node_report(node_report(HOSTING, REPORTS))
+    assert json.loads(raw) == {
+        "v": 1,
+        "node_id": "n1",
+        "generation": 3,
+        "at_ms": AT,
+        "stores": {
+            "s": {"active": [0, 5], "standby": [2], "lag": [[0, 5, 10], [40, None, None], None]}
+        },
+    }
+
+
+def test_a_node_report_gives_back_the_hosting_and_the_lags_around_known_positions():
+    decoded = decode_node_report(encode_node_report(node_report(HOSTING, REPORTS)))
+    assert decoded.hosting() == HOSTING
+    rebuilt = decoded.partition_reports({("s", 0): 500, ("s", 5): 90})  # 5's position is older
+    assert rebuilt[("s", 0)] == REPORTS[("s", 0)]
+    assert rebuilt[("s", 5)] == PartitionReport(90, 130, None, None, AT)  # lag 40 exact
+    assert ("s", 2) not in rebuilt
+    assert decoded.partition_reports({})[("s", 0)].current_offset == 0  # no position: 0
+
+
+def test_a_node_report_is_never_younger_than_its_oldest_report():
+    old = {**REPORTS, ("s", 2): PartitionReport(7, 7, None, AT - 900, AT - 800)}
+    decoded = decode_node_report(encode_node_report(node_report(HOSTING, old)))
+    assert decoded.at_ms == AT - 800
+    assert decoded.partition_reports({})[("s", 0)].caught_up_at_ms == AT - 5  # exact
+
+
+def _report_body(**changes: object) -> bytes:
+    body = json.loads(encode_node_report(node_report(HOSTING, REPORTS)))
+    body.update(changes)
+    return json.dumps(body).encode()
+
+
+def _store_body(**changes: object) -> bytes:
+    store = {"active": [0, 5], "standby": [2], "lag": [[0, 5, 10], [40, None, None], None]}
+    return _report_body(stores={"s": {**store, **changes}})
+
+
+@pytest.mark.parametrize(
+    ("raw", "reason"),
+    [
+        (b"{", "not JSON"),
+        (b"[]", "JSON object"),
+        (_report_body(v=2), "schema version 2"),
+        (_report_body(extra=1), "fields"),
+        (_report_body(at_ms="1"), "wrong type"),
+        (_report_body(generation=True), "wrong type"),
+        (_report_body(node_id=7), "wrong type"),
+        (_report_body(stores=[]), "not an object"),
+        (_store_body(active=["0"]), "not integers"),
+        (_store_body(standby=[-1]), "not integers"),
+        (_store_body(offsets=[]), "is not"),
+        (_store_body(lag=[[0, 5, 10], [40, None, None]]), "not aligned"),
+        (_store_body(lag=[[0, 5, 10], [-1, None, None], None]), "lag ≥ 0"),
+        (_store_body(lag=[[0, 5, 10], [40, None], None]), "is not [lag, ago, ago]"),
+        (_store_body(lag=[[0, 5, 10], [40, 1.5, None], None]), "lag ≥ 0"),
+        (_store_body(lag=[[0, 5, 10], [40, None, None], 0]), "is not [lag, ago, ago]"),
+    ],
+)
+def test_a_node_report_it_does_not_understand_is_refused_with_a_reason(raw, reason):
+    with pytest.raises(ContractError, match=re.escape(reason)):
+        decode_node_report(raw)

@@ -1,0 +1,295 @@
+"""The sweep's compact read (`report:<id>`, one MGET): the same table as from the legacy keys,
+positions from the slower node read, schema-1 writers as before, hostile values skipped."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from common.clock import SharedClock
+from common.contract import (
+    Assignment,
+    Event,
+    Hosting,
+    Keys,
+    NodeInfo,
+    PartitionReport,
+    StoreInfo,
+    as_text,
+    decode_hosting,
+    decode_node,
+    decode_report,
+    encode,
+    write_node_report,
+)
+from kroute.static_cluster import round_robin
+from proxy import watcher as watcher_module
+from proxy.routing import build_snapshot
+from proxy.watcher import TableWatcher
+
+pytestmark = pytest.mark.integration
+
+NODES = ("n0", "n1", "n2")
+PARTITIONS = 6
+EXPIRE_MS = 60_000
+
+
+def _reports(node_id: str, hosted: Mapping[str, tuple[int, ...]], at: int, lag: int) -> dict:  # type: ignore[type-arg]
+    """Every kind of report: caught up, lagging with no times, and no report at all."""
+    reports = {}
+    for p in (*hosted["active"], *hosted["standby"]):
+        position = 1_000 + 10 * p
+        if p % 3 == 0:
+            reports[("s", p)] = PartitionReport(position, position + lag, at - 7, at - 3, at)
+        elif p % 3 == 1:
+            reports[("s", p)] = PartitionReport(position, position + 40 + lag, None, None, at)
+    return reports  # p % 3 == 2: no report, unknown lag
+
+
+def write_node(
+    client: redis.Redis,
+    keys: Keys,
+    node_id: str,
+    at: int,
+    *,
+    lag: int = 0,
+    moved: int = 0,
+    compact: bool = True,
+) -> None:
+    """The node's hosting and reports (positions `moved` further on), as kroute nodes write
+    them (`write_node_report`), or as a schema-1 writer does (no `report:<id>`)."""
+    placed = round_robin(PARTITIONS, list(NODES), 1)
+    roles = Assignment(1, NODES[0], at, {"s": placed}).for_node(node_id)["s"]
+    hosted = {r: tuple(ps) for r, ps in roles.items()}
+    reports = {
+        where: PartitionReport(r.current_offset + moved, (r.end_offset or 0) + moved, *_times(r))
+        for where, r in _reports(node_id, hosted, at, lag).items()
+    }
+    hosting = Hosting(node_id, 1, {"s": hosted}, at)  # type: ignore[dict-item]
+    pipe = client.pipeline(transaction=True)
+    write_node_report(pipe, keys, hosting, reports, EXPIRE_MS)
+    if not compact:
+        pipe.delete(keys.report(node_id))
+    pipe.execute()
+
+
+def _times(r: PartitionReport) -> tuple[int | None, int | None, int]:
+    return r.newest_record_ms, r.caught_up_at_ms, r.updated_at_ms
+
+
+def publish(client: redis.Redis, keys: Keys, at: int, *, compact: Mapping[str, bool]) -> None:
+    placed = round_robin(PARTITIONS, list(NODES), 1)
+    client.sadd(keys.stores, "s")
+    client.set(keys.store("s"), encode(StoreInfo("s", "t", PARTITIONS)))
+    for index, node_id in enumerate(NODES):
+        client.sadd(keys.nodes, node_id)
+        url = f"http://127.0.0.1:{21000 + index}"
+        client.set(keys.node(node_id), encode(NodeInfo(node_id, url, at)))
+        client.set(keys.alive(node_id), "1", px=EXPIRE_MS)
+        write_node(client, keys, node_id, at, compact=compact[node_id])
+    client.set(keys.assignment, encode(Assignment(1, NODES[0], at, {"s": placed})))
+
+
+def legacy_rows(client: redis.Redis, keys: Keys) -> object:
+    """The table a build from the legacy keys (node, hosting, lag) gives."""
+    nodes, hostings, reports = {}, {}, {}
+    for node_id in NODES:
+        nodes[node_id] = decode_node(client.get(keys.node(node_id)) or b"")
+        hostings[node_id] = decode_hosting(client.get(keys.hosting(node_id)) or b"")
+        for name, raw in client.hgetall(keys.lag(node_id)).items():
+            store, _, partition = as_text(name).rpartition("/")
+            reports[(node_id, store, int(partition))] = decode_report(raw)
+    placed = round_robin(PARTITIONS, list(NODES), 1)
+    snapshot = build_snapshot(
+        stores={"s": StoreInfo("s", "t", PARTITIONS)},
+        assignment=Assignment(1, NODES[0], 0, {"s": placed}),
+        hostings=hostings,
+        reports=reports,
+        nodes=nodes,
+        alive=frozenset(NODES),
+        built_at_ms=0,
+    )
+    return snapshot.stores["s"].replicas
+
+
+def watch(
+    redis_url: str, keys: Keys, scenario: Callable[[TableWatcher], Awaitable[None]]
+) -> TableWatcher:
+    async def run() -> TableWatcher:
+        connection = aioredis.Redis.from_url(redis_url)
+        watcher = TableWatcher(
+            connection,
+            keys,
+            refresh_interval_ms=300,
+            networks=None,
+            clock=SharedClock(),
+            lag_read_interval_ms=200,
+        )
+        running = asyncio.create_task(watcher.run())
+        try:
+            await watcher.refresh()
+            # and the full read its subscription asks for: from here on, only the sweep
+            await until(lambda: watcher.stats.full_reads >= 2, "no subscription")
+            await scenario(watcher)
+            assert not running.done(), running
+            return watcher
+        finally:
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
+            await connection.aclose()
+
+    return asyncio.run(run())
+
+
+async def until(condition: Callable[[], bool], what: str, limit_s: float = 10.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.01)
+
+
+def whole_reads(watcher: TableWatcher) -> int:
+    """Nodes read whole (node, hosting, lag), not from `report:<id>` alone."""
+    return watcher.stats.node_reads - watcher.stats.report_reads
+
+
+def lag_of(watcher: TableWatcher, partition: int, node_id: str) -> int | None:
+    row = watcher.snapshot.stores["s"].replicas[partition]
+    return next(r.lag for r in row if r.node_id == node_id)
+
+
+def position_of(watcher: TableWatcher, partition: int, node_id: str) -> int | None:
+    row = watcher.snapshot.stores["s"].replicas[partition]
+    return next(r.position for r in row if r.node_id == node_id)
+
+
+@pytest.fixture
+def rare_node_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No node read by the watcher's own round within a test: what the sweep brings is what
+    `report:<id>` says."""
+    monkeypatch.setattr(watcher_module, "NODE_READ_S", 3600.0)
+
+
+@pytest.fixture
+def client(redis_server) -> redis.Redis:  # type: ignore[no-untyped-def]
+    connection = redis.Redis.from_url(redis_server.url)
+    yield connection  # type: ignore[misc]
+    connection.close()
+
+
+def test_the_sweep_builds_from_report_the_table_the_legacy_keys_give(
+    redis_server, client, rare_node_reads
+):
+    keys = Keys(f"compact-{uuid.uuid4().hex[:8]}")
+    publish(client, keys, int(time.time() * 1000), compact=dict.fromkeys(NODES, True))
+
+    async def scenario(watcher: TableWatcher) -> None:
+        whole, full = whole_reads(watcher), watcher.stats.full_reads
+        at = int(time.time() * 1000)
+        for node_id in NODES:  # new lags and times, the same positions
+            write_node(client, keys, node_id, at, lag=5)
+        legacy = legacy_rows(client, keys)
+        await until(
+            lambda: watcher.snapshot.stores["s"].replicas == legacy,
+            "the table never became what the legacy keys give",
+        )
+        # Every read since came from report:<id> alone.
+        assert (whole_reads(watcher), watcher.stats.full_reads) == (whole, full)
+        assert watcher.stats.report_reads >= len(NODES)
+
+    watch(redis_server.url, keys, scenario)
+
+
+def test_positions_come_from_the_node_read_and_lags_from_the_report(
+    redis_server, client, rare_node_reads
+):
+    keys = Keys(f"compact-{uuid.uuid4().hex[:8]}")
+    publish(client, keys, int(time.time() * 1000), compact=dict.fromkeys(NODES, True))
+
+    async def scenario(watcher: TableWatcher) -> None:
+        before = position_of(watcher, 0, "n0")
+        assert before == 1_000
+        write_node(client, keys, "n0", int(time.time() * 1000), lag=3, moved=50)
+        await until(lambda: lag_of(watcher, 0, "n0") == 3, "the lag never reached the table")
+        # A position only grows: the last one read is a lower bound, kept until a node read.
+        assert position_of(watcher, 0, "n0") == before
+        client.publish(keys.events, encode(Event("hosting", node_id="n0")))
+        await until(lambda: position_of(watcher, 0, "n0") == 1_050, "no node read on the event")
+        assert lag_of(watcher, 0, "n0") == 3
+
+    watch(redis_server.url, keys, scenario)
+
+
+def test_a_writer_without_report_is_read_as_before(redis_server, client, rare_node_reads):
+    keys = Keys(f"compact-{uuid.uuid4().hex[:8]}")
+    publish(client, keys, int(time.time() * 1000), compact={"n0": False, "n1": True, "n2": True})
+
+    async def scenario(watcher: TableWatcher) -> None:
+        reads = watcher.stats.node_reads - watcher.stats.report_reads
+        write_node(client, keys, "n0", int(time.time() * 1000), lag=9, moved=20, compact=False)
+        await until(lambda: lag_of(watcher, 0, "n0") == 9, "the legacy report never arrived")
+        assert position_of(watcher, 0, "n0") == 1_020  # read whole: positions too
+        assert watcher.stats.node_reads - watcher.stats.report_reads > reads
+
+    watch(redis_server.url, keys, scenario)
+
+
+def _hostile(body: dict, how: str) -> bytes:  # type: ignore[type-arg]
+    store = body["stores"]["s"]
+    if how == "not JSON":
+        return b'{"v":1,'
+    if how == "misaligned":
+        store["lag"] = store["lag"][:-1]
+    elif how == "negative lag":
+        store["lag"][0] = [-5, 0, 0]
+    elif how == "another version":
+        body["v"] = 2
+    elif how == "another node":
+        body["node_id"] = "n1"
+    return json.dumps(body).encode()
+
+
+@pytest.mark.parametrize(
+    "how", ["not JSON", "misaligned", "negative lag", "another version", "another node"]
+)
+def test_a_hostile_report_is_skipped_and_the_legacy_keys_read(
+    redis_server, client, rare_node_reads, how
+):
+    keys = Keys(f"compact-{uuid.uuid4().hex[:8]}")
+    publish(client, keys, int(time.time() * 1000), compact=dict.fromkeys(NODES, True))
+
+    async def scenario(watcher: TableWatcher) -> None:
+        write_node(client, keys, "n0", int(time.time() * 1000), lag=11)
+        body = json.loads(client.get(keys.report("n0")) or b"{}")
+        client.set(keys.report("n0"), _hostile(body, how))  # lag:n0 says 11
+        whole = whole_reads(watcher)
+        await until(lambda: lag_of(watcher, 0, "n0") == 11, "the legacy keys were not read")
+        await asyncio.sleep(0.5)  # sweeps of the hostile value: never applied
+        assert lag_of(watcher, 0, "n0") == 11
+        assert whole_reads(watcher) > whole, "n0 read whole instead"
+
+    watch(redis_server.url, keys, scenario)
+
+
+def test_a_report_from_the_future_is_no_report(redis_server, client, rare_node_reads):
+    keys = Keys(f"compact-{uuid.uuid4().hex[:8]}")
+    publish(client, keys, int(time.time() * 1000), compact=dict.fromkeys(NODES, True))
+
+    async def scenario(watcher: TableWatcher) -> None:
+        assert lag_of(watcher, 0, "n0") == 0
+        whole = whole_reads(watcher)
+        # The writer's clock a minute ahead: its report would understate staleness.
+        write_node(client, keys, "n0", int(time.time() * 1000) + 60_000, lag=13)
+        await until(lambda: lag_of(watcher, 0, "n0") is None, "the future report was applied")
+        await asyncio.sleep(0.5)
+        assert lag_of(watcher, 0, "n0") is None
+        assert whole_reads(watcher) == whole, "the sweep judged report:<id> itself"
+
+    watch(redis_server.url, keys, scenario)
