@@ -40,7 +40,7 @@ from proxy.outliers import Outliers
 from proxy.retry_budget import RetryBudget
 from proxy.routes import RouteTable
 from proxy.settings import ProxySettings
-from proxy.status import cluster_status, status_page
+from proxy.status import cluster_status, node_counts, status_page
 from proxy.upstream import UpstreamPool
 from proxy.watcher import TableWatcher
 from proxy.workers import Supervisor, WorkerRole, die_with_supervisor, worker_role
@@ -217,25 +217,30 @@ class Proxy:
         return own + lags
 
     async def _status_view(self) -> dict[str, Any]:
-        return self._status()
+        """Inputs gathered on the loop; the walk over every partition in a thread."""
+        snapshot = self.watcher.snapshot
+        requests, failures = node_counts(self.metrics, list(snapshot.node_urls))
+        return await asyncio.to_thread(
+            cluster_status,
+            snapshot,
+            now_ms=now_ms(),
+            ejected={n: self.ejections.since(n) for n in self.ejections.ejected},
+            requests=requests,
+            failures=failures,
+            proxy=self._proxy_status(),
+        )
 
     async def _readiness_view(self) -> tuple[bool, dict[str, Any]]:
         return self._readiness()
 
-    def _status(self) -> dict[str, Any]:
-        return cluster_status(
-            self.watcher.snapshot,
-            now_ms=now_ms(),
-            ejected={n: self.ejections.since(n) for n in self.ejections.ejected},
-            metrics=self.metrics,
-            proxy={
-                "degraded": self.watcher.degraded,
-                "redis_error": self.watcher.last_error,
-                "table_loaded": self.watcher.loaded,
-                "failovers": self.metrics.failovers,
-                "retry_budget_exhausted": self.metrics.retry_budget_exhausted,
-            },
-        )
+    def _proxy_status(self) -> dict[str, Any]:
+        return {
+            "degraded": self.watcher.degraded,
+            "redis_error": self.watcher.last_error,
+            "table_loaded": self.watcher.loaded,
+            "failovers": self.metrics.failovers,
+            "retry_budget_exhausted": self.metrics.retry_budget_exhausted,
+        }
 
     def _readiness(self) -> tuple[bool, dict[str, Any]]:
         snapshot = self.watcher.snapshot

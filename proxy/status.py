@@ -1,10 +1,13 @@
 """The cluster status the admin listener shows: JSON (like ksqlDB's /clusterStatus) — pure.
 
-Built from the routing snapshot, the ejected set and the proxy's counters, on request only.
+Built from the routing snapshot, the ejected set and the proxy's counters, on request only. It
+walks every partition (14 ms at 6,000 partitions with a standby each), so the proxy builds it in
+a thread: every input is immutable (the snapshot) or a copy made on the event loop (the counters).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from importlib import resources
 from typing import Any
 
@@ -12,17 +15,26 @@ from proxy.metrics import ProxyMetrics
 from proxy.routing import RoutingSnapshot
 
 
+def node_counts(
+    metrics: ProxyMetrics, node_ids: list[str]
+) -> tuple[dict[str, int], dict[str, int]]:
+    """Requests sent to and failures of each node, copied (on the event loop, which changes
+    them) for `cluster_status` to read elsewhere."""
+    failures: dict[str, int] = {}
+    for (node, _kind), count in list(metrics.node_failures.items()):
+        failures[node] = failures.get(node, 0) + count
+    return {node: metrics.requests_to(node) for node in node_ids}, failures
+
+
 def cluster_status(
     snapshot: RoutingSnapshot,
     *,
     now_ms: int,
     ejected: dict[str, int | None],
-    metrics: ProxyMetrics,
+    requests: Mapping[str, int],
+    failures: Mapping[str, int],
     proxy: dict[str, Any],
 ) -> dict[str, Any]:
-    failures: dict[str, int] = {}
-    for (node, _kind), count in metrics.node_failures.items():
-        failures[node] = failures.get(node, 0) + count
     # A node's last sign of life the proxy sees: its newest lag report (sent with heartbeats).
     last_report: dict[str, int] = {}
     for route in snapshot.stores.values():
@@ -35,7 +47,7 @@ def cluster_status(
             "url": url,
             "alive": node_id in snapshot.alive,
             "ejected_since_ms": ejected.get(node_id),
-            "requests": metrics.requests_to(node_id),
+            "requests": requests.get(node_id, 0),
             "failures": failures.get(node_id, 0),
             "last_report_age_ms": now_ms - last_report[node_id] if node_id in last_report else None,
         }
