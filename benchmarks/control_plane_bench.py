@@ -3,11 +3,14 @@
 Per size N nodes / P partitions (one standby per partition unless `--standbys 2`):
 - writer processes write the Redis contract for N simulated nodes at kroute nodes' rates into
   a real redis-server: every 250 ms each node rewrites `hosting:<id>`, replaces `lag:<id>` and
-  rewrites its compact `report:<id>` in one MULTI/EXEC (delete, HSET every hosted partition's
-  report, PEXPIRE, SET report:<id>), as kroute nodes do (`write_node_report`), and heartbeats
+  confirms its compact report in one MULTI/EXEC (delete, HSET every hosted partition's report,
+  PEXPIRE, then SET report:<id> only when its body changed, with a new version, else PEXPIRE
+  it, and SET report_at:<id> always), as kroute nodes do (`write_node_report`), and heartbeats
   (`node:<id>`, `nodes`, `store:<name>`, `stores`, `alive:<id>` with a 2 s TTL). Every
   partition takes 100 records a second and every replica keeps up (lag 0, caught up at the
-  time it reports), so every report differs from the last, as under steady writes;
+  time it reports), so every lag report differs from the last, as under steady writes, while
+  the compact body (lags and ages relative to the report) stays the same: only the probe
+  node's changes;
 - one real proxy (`python -m proxy`) reads it and serves wrk's keyed GETs (random keys over
   every partition) forwarded to three nginx backends answering a fixed small JSON;
 - propagation: the writer of the node active for partition 0 reports a lag of 1,000 for it
@@ -55,6 +58,7 @@ from benchmarks.proxy_bench import _nginx_conf, cpu_seconds
 from benchmarks.results_file import git_revision, machine_notes, write_json, write_section
 from benchmarks.wrk import KEYED_SCRIPT, parse_wrk
 from common.contract import (
+    BODY_REWRITE_MS,
     Assignment,
     Hosting,
     Keys,
@@ -109,15 +113,49 @@ def _report_json(current: int, end: int, caught_up_at: int, at: int) -> bytes:
     ).encode()
 
 
-def _node_report_json(node_id: str, hosted: dict[str, list[int]], at: int, lags: str) -> bytes:
+def _node_report_json(node_id: str, hosted: dict[str, list[int]], version: int, lags: str) -> bytes:
     """`report:<id>` (the contract's compact encoding), formatted directly like _report_json;
     `lags` is its "lag" list, aligned with the active then the standby partitions."""
     active = ",".join(map(str, hosted["active"]))
     standby = ",".join(map(str, hosted["standby"]))
     return (
-        f'{{"v":1,"node_id":"{node_id}","generation":1,"at_ms":{at},"stores":{{"{STORE}":'
-        f'{{"active":[{active}],"standby":[{standby}],"lag":[{lags}]}}}}}}'
+        f'{{"v":1,"node_id":"{node_id}","generation":1,"stores":{{"{STORE}":'
+        f'{{"active":[{active}],"standby":[{standby}],"lag":[{lags}]}}}},"version":{version}}}'
     ).encode()
+
+
+@dataclass
+class _Body:
+    """A simulated node's last `report:<id>` body, as `write_node_report` keeps it."""
+
+    lags: str
+    version: int
+    written_at: int
+
+
+def _queue_compact(
+    pipe: Any,
+    keys: Keys,
+    node_id: str,
+    hosted: dict[str, list[int]],
+    at: int,
+    lags: str,
+    bodies: dict[str, _Body],
+) -> None:
+    """`report:<id>` only when its body changed (or every BODY_REWRITE_MS), `report_at:<id>`
+    always: what `write_node_report` queues."""
+    last = bodies.get(node_id)
+    report_key, expire_ms = keys.report(node_id), ALIVE_TTL_MS * 10
+    if last is None or last.lags != lags:
+        version = at if last is None else max(at, last.version + 1)
+        last = bodies[node_id] = _Body(lags, version, at)
+        pipe.set(report_key, _node_report_json(node_id, hosted, version, lags), px=expire_ms)
+    elif at - last.written_at >= BODY_REWRITE_MS:
+        last.written_at = at
+        pipe.set(report_key, _node_report_json(node_id, hosted, last.version, lags), px=expire_ms)
+    else:
+        pipe.pexpire(report_key, expire_ms)
+    pipe.set(keys.report_at(node_id), f"{last.version} {at}", px=expire_ms)
 
 
 def _lags(count: int, probe_index: int | None, probe_entry: str) -> str:
@@ -150,6 +188,7 @@ def run_writer(
     urls = dict(zip(plan.nodes, plan.urls, strict=True))
     probe_node = placed[PROBE_PARTITION].active
     last_probe = 0
+    bodies: dict[str, _Body] = {}
     groups = 10
     slices = [plan.mine[i::groups] for i in range(groups)]
     epoch = origin = time.time()
@@ -181,11 +220,7 @@ def run_writer(
                 lags = _lags(
                     len(fields[node_id]), probe_index[node_id], f"[{lag_now},{caught_up_ago},0]"
                 )
-                pipe.set(
-                    keys.report(node_id),
-                    _node_report_json(node_id, hosted[node_id], at, lags),
-                    px=ALIVE_TTL_MS * 10,
-                )
+                _queue_compact(pipe, keys, node_id, hosted[node_id], at, lags, bodies)
             pipe.execute()
             if probe_node in group and lag_now != last_probe:
                 written.put((lag_now, time.time()))

@@ -13,8 +13,10 @@ a TTL, the heartbeat (the node); `store:<name>` StoreInfo (every node hosting th
 must agree); `hosting:<id>` Hosting, what a node serves (the node);
 
 `lag:<id>` hash `<store>/<partition>` -> PartitionReport (the node); `report:<id>` NodeReport,
-optional, the same hosting and lags compactly, without positions (the node, in the same
-transaction: `write_node_report`); `assignment` Assignment
+optional, the same hosting and lags compactly, without positions or time, rewritten only when
+it changes, and `report_at:<id>` "<version> <at_ms>", written on every report, saying which
+body holds as of when (the node, in the same transaction: `write_node_report`); `assignment`
+Assignment
 (the leader); `leader` the leader's id with a lease TTL; `dead_since` hash node id -> ms when a
 leader first saw it dead (the leader); pub/sub channel `events` Event.
 
@@ -74,6 +76,10 @@ class Keys:
     def report(self, node_id: str) -> str:
         """NodeReport: hosting and lags in one compact value, beside `hosting` and `lag`."""
         return f"{self.prefix}report:{node_id}"
+
+    def report_at(self, node_id: str) -> str:
+        """ "<version> <at_ms>": the `report:<id>` body of that version holds as of at_ms."""
+        return f"{self.prefix}report_at:{node_id}"
 
     @property
     def nodes(self) -> str:
@@ -298,36 +304,47 @@ def decode_assignment(raw: bytes | str) -> Assignment:
 # -- the compact per-node report ---------------------------------------------------------------
 
 # One replica's lag in a NodeReport: [lag, at_ms - caught_up_at_ms, at_ms - newest_record_ms]
-# (the two "ago" values None when unknown); None for a partition without a report.
+# (the two "ago" values None when unknown, at_ms the time `report_at:<id>` gives); None for a
+# partition without a report.
 LagEntry = tuple[int | None, int | None, int | None]
-_NODE_REPORT_FIELDS = frozenset({"v", "node_id", "generation", "at_ms", "stores"})
+_NODE_REPORT_FIELDS = frozenset({"v", "node_id", "generation", "version", "stores"})
 _STORE_FIELDS = frozenset({"active", "standby", "lag"})
+# A writer rewrites an unchanged body (same version) this often: a transaction that did not
+# happen after its body was counted as written, or a Redis restarted empty, heals within this,
+# before readers count the node's reports as stale (3 s by default).
+BODY_REWRITE_MS = 2_000
+_MAX_DIGITS = 18  # `report_at:<id>` numbers: ms times, far below 10**18
 
 
 @dataclass(frozen=True)
 class NodeReport:
     """`report:<id>`: what `hosting:<id>` says and every hosted replica's lag from
-    `lag:<id>`, in a few bytes a replica. No positions (`current_offset`): they change on
-    every report and are what makes `lag:<id>` big; readers take them from `lag:<id>`, less
+    `lag:<id>`, in a few bytes a replica, without time: its ages are counted back from the
+    time `report_at:<id>` confirms it at, so at steady state the body does not change and is
+    written (and read) only when it does. No positions (`current_offset`) either: they change
+    on every report and are what makes `lag:<id>` big; readers take them from `lag:<id>`, less
     often (a position only grows, so an older one is a lower bound)."""
 
     node_id: str
     generation: int
-    at_ms: int  # hosting's updated_at_ms and every entry's updated_at_ms
+    # The writer's time when it first wrote this body: unique and increasing per node, and
+    # what `report_at:<id>` names.
+    version: int
     stores: Mapping[str, Mapping[Role, tuple[int, ...]]]
     # Per store, aligned with stores[store]["active"] then stores[store]["standby"].
     lags: Mapping[str, tuple[LagEntry | None, ...]]
 
-    def hosting(self) -> Hosting:
-        return Hosting(self.node_id, self.generation, self.stores, self.at_ms)
+    def hosting(self, at_ms: int) -> Hosting:
+        """The hosting it says, as of `at_ms` (the time `report_at:<id>` confirms it at)."""
+        return Hosting(self.node_id, self.generation, self.stores, at_ms)
 
     def partition_reports(
-        self, positions: Mapping[tuple[str, int], int]
+        self, positions: Mapping[tuple[str, int], int], at_ms: int
     ) -> dict[tuple[str, int], PartitionReport]:
-        """(store, partition) -> its report, rebuilt around a known position (0 if none):
-        the lag and the times exact, the position a lower bound."""
+        """(store, partition) -> its report as of `at_ms`, rebuilt around a known position (0
+        if none): the lag and the times exact, the position a lower bound."""
         # On the proxy's sweep for every replica of every node: kept lean (positional).
-        at = self.at_ms
+        at = at_ms
         reports: dict[tuple[str, int], PartitionReport] = {}
         for store, roles in self.stores.items():
             hosted = (*roles.get("active", ()), *roles.get("standby", ()))
@@ -347,15 +364,22 @@ class NodeReport:
         return reports
 
 
-def node_report(hosting: Hosting, reports: Mapping[tuple[str, int], PartitionReport]) -> NodeReport:
-    """The NodeReport of a hosting and its reports. Its time is the oldest of theirs, so no
-    entry reads younger than the report it comes from."""
+def report_time(hosting: Hosting, reports: Mapping[tuple[str, int], PartitionReport]) -> int:
+    """The time a node's report stands for: the oldest of its hosting's and its hosted
+    replicas' reports, so no entry reads younger than the report it comes from."""
     hosted = {
-        (store, p): reports.get((store, p))
-        for store, roles in hosting.stores.items()
-        for p in (*roles.get("active", ()), *roles.get("standby", ()))
+        (store, p) for store, roles in hosting.stores.items() for ps in roles.values() for p in ps
     }
-    at = min([hosting.updated_at_ms, *(r.updated_at_ms for r in hosted.values() if r is not None)])
+    return min(
+        [hosting.updated_at_ms, *(r.updated_at_ms for w, r in reports.items() if w in hosted)]
+    )
+
+
+def node_report(
+    hosting: Hosting, reports: Mapping[tuple[str, int], PartitionReport], version: int = 0
+) -> NodeReport:
+    """The NodeReport of a hosting and its reports, ages counted back from `report_time`."""
+    at = report_time(hosting, reports)
 
     def entry(report: PartitionReport | None) -> LagEntry | None:
         if report is None:
@@ -368,14 +392,16 @@ def node_report(hosting: Hosting, reports: Mapping[tuple[str, int], PartitionRep
 
     lags = {
         store: tuple(
-            entry(hosted[(store, p)]) for p in (*roles.get("active", ()), *roles.get("standby", ()))
+            entry(reports.get((store, p)))
+            for p in (*roles.get("active", ()), *roles.get("standby", ()))
         )
         for store, roles in hosting.stores.items()
     }
-    return NodeReport(hosting.node_id, hosting.generation, at, hosting.stores, lags)
+    return NodeReport(hosting.node_id, hosting.generation, version, hosting.stores, lags)
 
 
-def encode_node_report(report: NodeReport) -> bytes:
+def _report_plain(report: NodeReport) -> dict[str, Any]:
+    """The body as JSON-ready values, without `v` and `version`: what "changed" compares."""
     stores = {
         store: {
             "active": list(roles.get("active", ())),
@@ -384,13 +410,15 @@ def encode_node_report(report: NodeReport) -> bytes:
         }
         for store, roles in report.stores.items()
     }
-    body = {
-        "v": SCHEMA_VERSION,
-        "node_id": report.node_id,
-        "generation": report.generation,
-        "at_ms": report.at_ms,
-        "stores": stores,
-    }
+    return {"node_id": report.node_id, "generation": report.generation, "stores": stores}
+
+
+def encode_node_report(report: NodeReport) -> bytes:
+    return _encode_report_plain(_report_plain(report), report.version)
+
+
+def _encode_report_plain(plain: dict[str, Any], version: int) -> bytes:
+    body = {"v": SCHEMA_VERSION, **plain, "version": version}
     return json.dumps(body, separators=(",", ":")).encode()
 
 
@@ -398,7 +426,7 @@ def decode_node_report(raw: bytes | str) -> NodeReport:
     """Strict: another `v`, a field this contract does not list, a value of the wrong type,
     a lag list not aligned with the partitions or a negative lag is refused."""
     try:
-        body = orjson.loads(raw)  # read on every sweep: orjson's C parser, ~4x json's
+        body = orjson.loads(raw)  # read on every change: orjson's C parser, ~4x json's
     except orjson.JSONDecodeError as exc:
         raise ContractError(f"not JSON: {raw[:80]!r}") from exc
     if not isinstance(body, dict):
@@ -407,16 +435,16 @@ def decode_node_report(raw: bytes | str) -> NodeReport:
         raise ContractError(f"schema version {body.get('v')!r}; this reader understands 1")
     if body.keys() != _NODE_REPORT_FIELDS:
         raise ContractError(f"not a NodeReport: fields {sorted(body)}")
-    node_id, generation, at_ms = body["node_id"], body["generation"], body["at_ms"]
-    if not isinstance(node_id, str) or not _is_int(generation) or not _is_int(at_ms):
-        raise ContractError("not a NodeReport: node_id, generation or at_ms of the wrong type")
+    node_id, generation, version = body["node_id"], body["generation"], body["version"]
+    if not isinstance(node_id, str) or not _is_int(generation) or not _is_int(version):
+        raise ContractError("not a NodeReport: node_id, generation or version of the wrong type")
     if not isinstance(body["stores"], dict):
         raise ContractError("not a NodeReport: stores is not an object")
     stores: dict[str, dict[Role, tuple[int, ...]]] = {}
     lags: dict[str, tuple[LagEntry | None, ...]] = {}
     for store, value in body["stores"].items():
         stores[store], lags[store] = _store_report(store, value)
-    return NodeReport(node_id, generation, at_ms, stores, lags)
+    return NodeReport(node_id, generation, version, stores, lags)
 
 
 def _store_report(
@@ -450,23 +478,81 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def encode_report_at(version: int, at_ms: int) -> bytes:
+    """`report_at:<id>`: a plain string, like `alive:<id>` (read for every node on every
+    sweep: two integers, no JSON to parse)."""
+    return f"{version} {at_ms}".encode()
+
+
+def decode_report_at(raw: bytes | str) -> tuple[int, int]:
+    """(version, at_ms) of a `report_at:<id>`; strict: two non-negative decimal integers
+    separated by one space, nothing else."""
+    try:
+        text = as_text(raw)
+    except UnicodeDecodeError as exc:
+        raise ContractError(f"not a report_at value ('<version> <at_ms>'): {raw[:40]!r}") from exc
+    parts = text.split(" ")
+    if len(parts) != 2 or not all(
+        p.isascii() and p.isdigit() and len(p) <= _MAX_DIGITS for p in parts
+    ):
+        raise ContractError(f"not a report_at value ('<version> <at_ms>'): {text[:40]!r}")
+    return int(parts[0]), int(parts[1])
+
+
+@dataclass
+class _WrittenBody:
+    plain: dict[str, Any]  # the body without its version (what "changed" compares)
+    version: int
+    written_at_ms: int  # when its last SET was queued (writer's time)
+
+
+@dataclass
+class ReportBodies:
+    """What `write_node_report` last wrote as each node's `report:<id>` body: one per writer
+    (a writer of many nodes keeps them all in one), kept beside it for as long as it runs."""
+
+    written: dict[str, _WrittenBody] = field(default_factory=dict)
+
+    def forget(self, node_id: str) -> None:
+        """The writer no longer writes this node (and deleted its keys)."""
+        self.written.pop(node_id, None)
+
+
 def write_node_report(
     pipe: Any,
     keys: Keys,
     hosting: Hosting,
     reports: Mapping[tuple[str, int], PartitionReport],
     expire_ms: int,
+    *,
+    bodies: ReportBodies,
 ) -> None:
     """Queue a node's whole report on `pipe` (a MULTI/EXEC pipeline, so readers never see
-    half of it): `hosting:<id>`, `lag:<id>` replaced as a whole and expiring in `expire_ms`,
-    and `report:<id>` (the same, compact, expiring with it). Every writer writes through this,
-    so the three keys cannot disagree."""
+    half of it): `hosting:<id>`, `lag:<id>` replaced as a whole and expiring in `expire_ms`;
+    `report:<id>` (the same, compact) only when its body differs from the last one written
+    (then with a new version), its expiry renewed otherwise; and `report_at:<id>` always,
+    naming the body's version and the time it holds as of, expiring with it. Every writer
+    writes through this, so the keys cannot disagree."""
     node_id = hosting.node_id
-    lag_key = keys.lag(node_id)
+    lag_key, report_key = keys.lag(node_id), keys.report(node_id)
     pipe.set(keys.hosting(node_id), encode(hosting))
     pipe.delete(lag_key)
     if reports:
         fields = {lag_field(store, p): encode(r) for (store, p), r in reports.items()}
         pipe.hset(lag_key, mapping=fields)
         pipe.pexpire(lag_key, expire_ms)
-    pipe.set(keys.report(node_id), encode_node_report(node_report(hosting, reports)), px=expire_ms)
+    now = hosting.updated_at_ms
+    plain = _report_plain(node_report(hosting, reports))
+    last = bodies.written.get(node_id)
+    if last is None or last.plain != plain:
+        # A new version: the writer's time, and past the last one whatever its clock did.
+        version = now if last is None else max(now, last.version + 1)
+        last = bodies.written[node_id] = _WrittenBody(plain, version, now)
+        pipe.set(report_key, _encode_report_plain(plain, version), px=expire_ms)
+    elif not 0 <= now - last.written_at_ms < BODY_REWRITE_MS:
+        last.written_at_ms = now
+        pipe.set(report_key, _encode_report_plain(plain, last.version), px=expire_ms)
+    else:
+        pipe.pexpire(report_key, expire_ms)
+    at = report_time(hosting, reports)
+    pipe.set(keys.report_at(node_id), encode_report_at(last.version, at), px=expire_ms)

@@ -57,6 +57,7 @@ from common.contract import (
     NodeInfo,
     PartitionAssignment,
     PartitionReport,
+    ReportBodies,
     StoreInfo,
     decode_assignment,
     encode,
@@ -169,6 +170,7 @@ class Agent:
         self._writing = asyncio.Lock()
         self._ends: dict[int, EndHistory] = {}
         self._last_reports: dict[int, PartitionReport] = {}  # as last written, by partition
+        self._report_bodies = ReportBodies()  # report:<id> as last written
         self._kafka: AIOKafkaClient | None = None
 
     @classmethod
@@ -313,6 +315,7 @@ class Agent:
                 hosting,
                 {(self.store.name, p): r for p, r in kept.items()},
                 self.timing.alive_ttl_ms * 10,
+                bodies=self._report_bodies,
             )
             pipe.publish(self.keys.events, encode(Event("lag", node_id=self.node.node_id)))
             await pipe.execute()

@@ -33,6 +33,7 @@ from common.contract import (
     NodeReport,
     as_text,
     decode_node_report,
+    decode_report_at,
     lag_field,
 )
 from kroute.errors import KrouteError, UsageError
@@ -45,7 +46,7 @@ M = TypeVar("M", bound=BaseModel)
 REPORT_STALE_MS = 3_000
 MAX_ALIVE_TTL_MS = 10_000  # a longer TTL is legal but keeps a dead node "alive" that long
 _KNOWN_KEYS = ("nodes", "stores", "assignment", "leader", "dead_since", "events")
-_PER_NODE = ("node", "alive", "hosting", "lag", "report")
+_PER_NODE = ("node", "alive", "hosting", "lag", "report", "report_at")
 
 
 # -- the values, strictly ----------------------------------------------------------------------
@@ -326,11 +327,17 @@ def _check_node_report(
     lags: Mapping[tuple[str, int], ReportValue],
     now_ms: int,
 ) -> None:
-    """`report:<id>` (optional) decodes and says what `hosting:<id>` and `lag:<id>` say:
-    proxies read it instead of them between their reads of those."""
+    """`report:<id>` (optional) decodes and, as of the time `report_at:<id>` confirms it at,
+    says what `hosting:<id>` and `lag:<id>` say: proxies read it instead of them between their
+    reads of those."""
     key = keys.report(node_id)
     kind = _type(client, key)
     if kind == "none":
+        if _type(client, keys.report_at(node_id)) != "none":
+            report.warning(
+                keys.report_at(node_id),
+                f"present without {key}: proxies read hosting and lag until it is rewritten",
+            )
         return
     if kind != "string":
         report.error(key, f"is a {kind}, must be a string holding JSON")
@@ -342,13 +349,45 @@ def _check_node_report(
         return
     if compact.node_id != node_id:
         report.error(key, f"node_id is {compact.node_id!r}, the key says {node_id!r}")
-    _check_time(key, "at_ms", compact.at_ms, report, now_ms=now_ms, fresh=False)
+    at_ms = _check_report_at(client, keys.report_at(node_id), compact, report, now_ms=now_ms)
+    if at_ms is None:
+        return
     if hosting is None:
         report.error(key, f"present without {keys.hosting(node_id)}: written apart from it")
         return
     if compact.generation != hosting.generation or _roles(compact.stores) != _roles(hosting.stores):
         report.error(key, f"disagrees with {keys.hosting(node_id)} on what the node serves")
-    _check_compact_lags(key, compact, lags, report, keys.lag(node_id))
+    _check_compact_lags(key, compact, lags, report, keys.lag(node_id), at_ms=at_ms)
+
+
+def _check_report_at(
+    client: redis.Redis, key: str, body: NodeReport, report: Report, *, now_ms: int
+) -> int | None:
+    """`report_at:<id>` beside a body: "<version> <at_ms>" naming the body's version, not in
+    the future, expiring. Its at_ms when the body can be compared with the other keys."""
+    kind = _type(client, key)
+    if kind == "none":
+        report.error(key, "absent while report:<id> is present: write both on every report")
+        return None
+    if kind != "string":
+        report.error(key, f"is a {kind}, must be a string")
+        return None
+    try:
+        version, at_ms = decode_report_at(_as_bytes(client.get(key)) or b"")
+    except ContractError as exc:
+        report.error(key, f"proxies refuse it and read hosting and lag instead: {exc}")
+        return None
+    if int(client.pttl(key)) < 0:
+        report.error(key, "has no expiry: a writer that stopped would be confirmed forever")
+    _check_time(key, "at_ms", at_ms, report, now_ms=now_ms, fresh=False)
+    if version != body.version:
+        report.error(
+            key,
+            f"names version {version}, report:<id> holds {body.version}: write the body and "
+            "report_at:<id> in one MULTI/EXEC",
+        )
+        return None
+    return at_ms
 
 
 def _roles(
@@ -367,8 +406,10 @@ def _check_compact_lags(
     lags: Mapping[tuple[str, int], ReportValue],
     report: Report,
     lag_key: str,
+    *,
+    at_ms: int,
 ) -> None:
-    rebuilt = compact.partition_reports({})  # positions 0: lags and times are what counts
+    rebuilt = compact.partition_reports({}, at_ms)  # positions 0: lags and times are what counts
     hosted = [
         (store, p)
         for store, roles in compact.stores.items()

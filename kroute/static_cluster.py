@@ -25,6 +25,7 @@ from common.contract import (
     NodeInfo,
     PartitionAssignment,
     PartitionReport,
+    ReportBodies,
     Role,
     StoreInfo,
     encode,
@@ -61,6 +62,8 @@ class StaticCluster:
     lag: dict[tuple[str, str, int], int] = field(default_factory=dict)  # (node, store, p)
     lagging_since_ms: dict[tuple[str, str, int], int] = field(default_factory=dict)
     generation: int = 1
+    report_bodies: ReportBodies = field(default_factory=ReportBodies)  # report:<id> written
+    published_urls: dict[str, str] = field(default_factory=dict)  # node:<id> as last written
 
     def add_store(self, store: StoreInfo, standbys: int = 1) -> StaticCluster:
         self.stores[store.name] = store
@@ -94,10 +97,17 @@ class StaticCluster:
                 for partition in (p for parts in roles.values() for p in parts)
             }
             hosting = Hosting(node_id, self.generation, hosted, at)
-            write_node_report(pipe, keys, hosting, reports, REPORT_EXPIRE_MS)
+            write_node_report(
+                pipe, keys, hosting, reports, REPORT_EXPIRE_MS, bodies=self.report_bodies
+            )
         pipe.set(keys.assignment, encode(assignment))
         pipe.publish(keys.events, encode(Event("assignment", generation=self.generation)))
+        for node_id, url in self.node_urls.items():
+            # A new URL is announced (the contract's rule): proxies read node:<id> rarely.
+            if self.published_urls.get(node_id, url) != url:
+                pipe.publish(keys.events, encode(Event("node", node_id=node_id)))
         pipe.execute()
+        self.published_urls = dict(self.node_urls)
 
     def _report(self, node_id: str, store: str, partition: int, at: int) -> PartitionReport:
         lag = self.lag.get((node_id, store, partition), 0)

@@ -41,6 +41,7 @@ from common.contract import (
     Keys,
     NodeInfo,
     PartitionReport,
+    ReportBodies,
     StoreInfo,
     as_text,
     decode_assignment,
@@ -125,7 +126,9 @@ class ClusterMember:
     alive_nodes: frozenset[str] = frozenset()
     _last_hosting: tuple[object, ...] = ()
     _raw_assignment: bytes | str | None = None  # the value last decoded
+    _report_bodies: ReportBodies = field(default_factory=ReportBodies)  # report:<id> written
     _assignment_read_s: float = 0.0  # monotonic
+    _announced: bool = False  # a `node` event sent for this process's node:<id>
 
     async def run(self) -> None:
         loops = [
@@ -161,10 +164,15 @@ class ClusterMember:
             pipe.set(self.keys.store(self.store.name), encode(self.store))
             pipe.sadd(self.keys.stores, self.store.name)
             pipe.set(self.keys.alive(self.node.node_id), b"1", px=self.timing.alive_ttl_ms)
+            if not self._announced:
+                # node:<id> as this process wrote it (a restart may bring a new URL): proxies
+                # read it on this event, not at their next slow read of the node (30 s).
+                pipe.publish(self.keys.events, encode(Event("node", node_id=self.node.node_id)))
             pipe.time()  # the shared clock rides along: no extra round trip
             sent = self.clock.stopwatch()
             replies = await pipe.execute()
             self.clock.observe(replies[-1], sent, self.clock.stopwatch())
+            self._announced = True
 
     async def sync_clock(self) -> bool:
         """Sync the shared clock now (the heartbeat keeps it in step afterwards): call before
@@ -184,7 +192,14 @@ class ClusterMember:
         # left behind (caught up then, restoring now) or partitions it gave up must not pass
         # for current ones, nor may a reader see the hash half-written.
         async with self.redis.pipeline(transaction=True) as pipe:
-            write_node_report(pipe, self.keys, hosting, reports, self.timing.alive_ttl_ms * 10)
+            write_node_report(
+                pipe,
+                self.keys,
+                hosting,
+                reports,
+                self.timing.alive_ttl_ms * 10,
+                bodies=self._report_bodies,
+            )
             if serving != self._last_hosting:
                 pipe.publish(self.keys.events, encode(Event("hosting", node_id=self.node.node_id)))
             await pipe.execute()
@@ -287,7 +302,7 @@ class ClusterMember:
             pipe.srem(keys.nodes, *departed)
             pipe.hdel(keys.dead_since, *departed)
             for node_id in departed:
-                node_keys = (keys.node, keys.hosting, keys.lag, keys.report)
+                node_keys = (keys.node, keys.hosting, keys.lag, keys.report, keys.report_at)
                 pipe.delete(*(key(node_id) for key in node_keys))
                 pipe.publish(keys.events, encode(Event("node", node_id=node_id)))
             await pipe.execute()

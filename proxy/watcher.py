@@ -8,12 +8,14 @@ Three kinds of reads, each a pipelined round trip or two:
   `ASSIGNMENT_READ_S`, and decoded (in a thread) only when its bytes changed;
 - a *sweep* of every node once per `lag_read_interval_ms`, a slice of the nodes every
   `TICK_S`: lag reports change on every report and are not announced, so the sweep is what
-  keeps them fresh, at an even rate instead of in bursts. It reads each node's compact
-  `report:<id>` (hosting and lags, a few bytes a replica: one MGET for the slice) and rebuilds
-  the node's hosting and reports from it, around the positions of its last node read (a
-  position only grows: an older one is a lower bound, still a correct preference for
-  read-your-writes). A node without a usable `report:<id>` (a writer that does not write it)
-  gets a node read instead;
+  keeps them fresh, at an even rate instead of in bursts. It reads the slice's
+  `report_at:<id>` ("<version> <at_ms>", one MGET), then, in a second MGET, the compact
+  `report:<id>` body (hosting and lags, a few bytes a replica) of only the nodes whose
+  version is not the one it holds: a body is rewritten only when it changes, and at steady
+  state none does. It rebuilds each node's hosting and reports from the body and at_ms, around
+  the positions of its last node read (a position only grows: an older one is a lower bound,
+  still a correct preference for read-your-writes). A node without a usable `report_at:<id>`
+  or body (a writer that does not write them) gets a node read instead;
 - a *node read* (`node:<id>`, `hosting:<id>`, `lag:<id>`: everything, with positions): soon
   after an event names the node (`hosting`, `node`, `lag`), for every node once per
   `NODE_READ_S` (spread evenly, like the sweep), and in the sweep for nodes without
@@ -73,6 +75,7 @@ from common.contract import (
     Hosting,
     Keys,
     NodeInfo,
+    NodeReport,
     PartitionReport,
     StoreInfo,
     as_text,
@@ -82,6 +85,7 @@ from common.contract import (
     decode_node,
     decode_node_report,
     decode_report,
+    decode_report_at,
     decode_store,
 )
 from proxy.routing import (
@@ -121,9 +125,13 @@ FULL_COLLECT_S = 600.0
 # lost rebalance goes unseen, for ~200 KB/s per proxy at 20,000 partitions.
 ASSIGNMENT_READ_S = 5.0
 # Every node gets a node read (node:<id>, hosting:<id> and lag:<id> with its positions) at
-# least this often, even when the sweep reads its compact `report:<id>`: a position only grows,
-# so one up to this old is a lower bound, and a URL change without a `node` event is seen.
-NODE_READ_S = ASSIGNMENT_READ_S
+# least this often, even when the sweep reads its compact `report:<id>`. Positions are all it
+# brings that the sweep does not, and they only order read-your-writes candidates: a position
+# only grows, so one up to this old is a lower bound (a replica it names is past the offset
+# asked; at worst one that has since passed it is not preferred). A URL change comes with a
+# `node` event, and a request a node refuses triggers a full read; this bounds only what a
+# lost event hides. The node reads were the biggest share of a proxy's Redis traffic at 5 s.
+NODE_READ_S = 30.0
 # The request path's renewal of its cached choices of some partitions of a store (see
 # `TableWatcher.keep_choices`).
 Renew = Callable[[RoutingSnapshot, str, list[int]], None]
@@ -135,7 +143,8 @@ class WatcherStats:
 
     head_reads: int = 0
     node_reads: int = 0  # nodes read, either way
-    report_reads: int = 0  # of them, from `report:<id>` alone
+    report_reads: int = 0  # of them, from `report_at:<id>` and `report:<id>` alone
+    report_confirms: int = 0  # of those, from `report_at:<id>` alone (the body known)
     full_reads: int = 0
     commands: int = 0  # Redis commands sent (a pipeline counts each)
     reply_bytes: int = 0  # the values read, an estimate of the reply bytes
@@ -194,6 +203,9 @@ class TableWatcher:
         # info (None: not routable) and each replica's position.
         self._infos: dict[str, NodeInfo | None] = {}
         self._positions: dict[str, dict[tuple[str, int], int]] = {}
+        # Each node's last `report:<id>` body read (by its version): re-applied with the time
+        # of every `report_at:<id>` that names that version.
+        self._bodies: dict[str, NodeReport] = {}
         self._head_due = True
         self._assignment_due = True
         self._last_assignment_s = 0.0
@@ -350,6 +362,7 @@ class TableWatcher:
             table.forget_node(gone)
             self._infos.pop(gone, None)
             self._positions.pop(gone, None)
+            self._bodies.pop(gone, None)
         self._named |= set(node_ids) - set(self._node_ids) - set(table.nodes)
         self._node_ids = node_ids
         self.stats.head_reads += 1
@@ -394,50 +407,84 @@ class TableWatcher:
         await self._read_nodes(sorted(without))
 
     async def _read_report_chunk(self, chunk: list[str]) -> list[str]:
-        """Apply the chunk's `report:<id>` values; the nodes without a usable one."""
-        raws = await self.redis.mget([self.keys.report(node_id) for node_id in chunk])
-        at = self.clock.now_ms()  # after the reports arrived: none can be newer but by skew
-        self._count(1, raws)
+        """Apply the chunk's reports: `report_at:<id>` for every node, then the `report:<id>`
+        bodies whose version it names and this watcher does not hold. The nodes without a
+        usable pair, which need a node read."""
+        keys = self.keys
+        raw_stamps = await self.redis.mget([keys.report_at(node_id) for node_id in chunk])
+        self._count(1, raw_stamps)
         self._hold()
+        stamps: dict[str, tuple[int, int]] = {}
         without = []
-        for node_id, raw in zip(chunk, raws, strict=True):
-            if self._apply_report(node_id, raw, at):
-                self.stats.node_reads += 1
-                self.stats.report_reads += 1
-            else:
+        for node_id, raw in zip(chunk, raw_stamps, strict=True):
+            stamp = self._decoded(decode_report_at, raw, f"report_at:{node_id}")
+            if stamp is None or node_id not in self._infos:
                 without.append(node_id)
+            else:
+                stamps[node_id] = stamp
+        unknown = [n for n, (version, _) in stamps.items() if self._body_version(n) != version]
+        if unknown:
+            await self._yield()
+            raw_bodies = await self.redis.mget([keys.report(node_id) for node_id in unknown])
+            self._count(1, raw_bodies)
+            self._hold()
+            for node_id, raw in zip(unknown, raw_bodies, strict=True):
+                self._keep_body(node_id, raw)
+                await self._pace()  # every body at start, or after a rebalance
+        at = self.clock.now_ms()  # after the reports arrived: none can be newer but by skew
+        read = set(unknown)
+        for node_id, (version, at_ms) in stamps.items():
+            body = self._bodies.get(node_id)
+            if body is None or node_id not in self._infos:  # (a full read may have run)
+                without.append(node_id)
+                continue
+            if body.version != version:
+                # Written between the two reads (or a writer's lost write): the time it holds
+                # as of is unknown. The table keeps what it had; the next sweep reads again.
+                continue
+            self._apply_report(node_id, body, at_ms, at)
+            self.stats.node_reads += 1
+            self.stats.report_reads += 1
+            self.stats.report_confirms += int(node_id not in read)
             await self._pace()
         return without
 
-    def _apply_report(self, node_id: str, raw: Any, at: int) -> bool:
-        """A node's hosting and reports from its `report:<id>`, positions from its last node
-        read; False when there is none to apply (absent, or breaking the contract: skipped,
-        logged once) and the node needs a node read."""
-        if raw is None or node_id not in self._infos:
-            return False
-        report = self._decoded(decode_node_report, raw, f"report:{node_id}")
-        if report is None:
-            return False
-        if report.node_id != node_id:
+    def _body_version(self, node_id: str) -> int | None:
+        body = self._bodies.get(node_id)
+        return None if body is None else body.version
+
+    def _keep_body(self, node_id: str, raw: Any) -> None:
+        """Hold a node's `report:<id>` body, or forget the one held when there is no usable
+        one (absent, or breaking the contract: skipped, logged once)."""
+        body = self._decoded(decode_node_report, raw, f"report:{node_id}")
+        if body is not None and body.node_id != node_id:
             self._warn_once(
-                f"report-of:{node_id}:{report.node_id}",
+                f"report-of:{node_id}:{body.node_id}",
                 "ignoring a report naming another node",
                 key=f"report:{node_id}",
-                names=report.node_id,
+                names=body.node_id,
             )
-            return False
+            body = None
+        if body is None:
+            self._bodies.pop(node_id, None)
+        else:
+            self._bodies[node_id] = body
+
+    def _apply_report(self, node_id: str, body: NodeReport, at_ms: int, at: int) -> None:
+        """A node's hosting and reports from its body as of `at_ms` (its `report_at:<id>`),
+        positions from its last node read; a time further in the future than the clocks can
+        disagree by makes every entry no report, as a lag report's would."""
         info = self._infos[node_id]
         if info is None:
-            return True  # not routable (its node read said so): nothing to apply
+            return  # not routable (its node read said so): nothing to apply
         reports = {
             where: partition_report
-            for where, partition_report in report.partition_reports(
-                self._positions.get(node_id, {})
+            for where, partition_report in body.partition_reports(
+                self._positions.get(node_id, {}), at_ms
             ).items()
             if not self._from_the_future(node_id, partition_report, at)
         }
-        self._table.set_node(node_id, info, report.hosting(), reports)
-        return True
+        self._table.set_node(node_id, info, body.hosting(at_ms), reports)
 
     def _chunks(self, node_ids: list[str]) -> Iterable[list[str]]:
         """Node ids in groups of about VALUES_PER_PIPELINE values (by their last report)."""

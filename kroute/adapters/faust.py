@@ -54,6 +54,7 @@ from common.contract import (
     NodeInfo,
     PartitionAssignment,
     PartitionReport,
+    ReportBodies,
     Role,
     StoreInfo,
     encode,
@@ -346,6 +347,7 @@ class FaustAdapter:
         self.partitions = 0
         self.sources: list[str] = []
         self.lag_book = LagBook()
+        self._report_bodies = ReportBodies()  # every worker's report:<id> as last written
         self._lag_task: asyncio.Task[None] | None = None
         self._warned: set[str] = set()
         timeout = settings.http_timeout_ms / 1000
@@ -738,7 +740,14 @@ class FaustAdapter:
             for p in roles["active"]
             if p in reports and owned.get(p) == node_id
         }
-        write_node_report(pipe, self.keys, hosting, lags, self.settings.alive_ttl_ms * 10)
+        write_node_report(
+            pipe,
+            self.keys,
+            hosting,
+            lags,
+            self.settings.alive_ttl_ms * 10,
+            bodies=self._report_bodies,
+        )
 
     def _warn_once(self, topic: str, message: str, **context: Any) -> None:
         if topic not in self._warned:

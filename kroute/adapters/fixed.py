@@ -55,6 +55,7 @@ from common.contract import (
     NodeInfo,
     PartitionAssignment,
     PartitionReport,
+    ReportBodies,
     Role,
     StoreInfo,
     encode,
@@ -301,6 +302,7 @@ class FixedPlacement:
         # node -> its last lag reports (GroupLag), rewritten with every round's hosting.
         self._last_reports: dict[str, dict[tuple[str, int], PartitionReport]] = {}
         self._expire_ms = spec.health.alive_ttl_ms * 10
+        self._report_bodies = ReportBodies()  # every node's report:<id> as last written
         self._http = httpx.AsyncClient(timeout=spec.health.timeout_ms / 1000, trust_env=False)
         self._kafka: AIOKafkaClient | None = None
         self._admin: AIOKafkaAdminClient | None = None
@@ -377,7 +379,14 @@ class FixedPlacement:
             # hosting is refreshed with the heartbeat: its age says this adapter runs; the
             # lag reports written with it are the last ones read (none: lag unknown).
             hosting = Hosting(node_id, generation, self.spec.hosting_of(node_id), at)
-            write_node_report(pipe, keys, hosting, self._still_hosted(hosting), self._expire_ms)
+            write_node_report(
+                pipe,
+                keys,
+                hosting,
+                self._still_hosted(hosting),
+                self._expire_ms,
+                bodies=self._report_bodies,
+            )
         pipe.publish(keys.events, encode(Event("hosting", generation=generation)))
         pipe.time()  # keeps the clock in step without another round trip
 
@@ -431,7 +440,14 @@ class FixedPlacement:
                 reports = self._lag_reports(node_id, committed, at)
                 self._last_reports[node_id] = reports
                 hosting = Hosting(node_id, generation, self.spec.hosting_of(node_id), at)
-                write_node_report(pipe, self.keys, hosting, reports, self._expire_ms)
+                write_node_report(
+                    pipe,
+                    self.keys,
+                    hosting,
+                    reports,
+                    self._expire_ms,
+                    bodies=self._report_bodies,
+                )
             pipe.publish(self.keys.events, encode(Event("lag")))
 
         await self.lease.write(self.spec.placements(), LEADER_ID, at, queue)

@@ -176,6 +176,14 @@ def _edit_node_report(client: redis.Redis, k: Keys, *, lag: bool) -> None:
     _set_json(client, k.report("n1"), body)
 
 
+def _version_of(client: redis.Redis, k: Keys) -> int:
+    return int((client.get(k.report_at("n1")) or b"0 0").split()[0])
+
+
+def _at_of(client: redis.Redis, k: Keys) -> int:
+    return int((client.get(k.report_at("n1")) or b"0 0").split()[1])
+
+
 def _unhosted_report(client: redis.Redis, k: Keys) -> None:
     """n1 stops serving its first partition but leaves that partition's report standing."""
     body = _hosting(client, k, "n1")
@@ -216,7 +224,8 @@ BREAKS: dict[str, tuple[Break, str, str, str]] = {
             "customers": {"leader": [0]}}}),
         "error", "hosting:n1", "Input should be 'active' or 'standby'"),
     "hosting disagrees with the assignment": (
-        lambda c, k: (c.delete(k.lag("n1"), k.report("n1")), _set_json(c, k.hosting("n1"), {
+        lambda c, k: (c.delete(*(key("n1") for key in (k.lag, k.report, k.report_at))),
+                      _set_json(c, k.hosting("n1"), {
             **_hosting(c, k, "n1"), "stores": {"customers": {"active": [], "standby": []}}})),
         "warning", "assignment", "its hosting does not serve it so"),
     "compact report not one": (
@@ -227,6 +236,21 @@ BREAKS: dict[str, tuple[Break, str, str, str]] = {
     "compact report disagrees with hosting": (
         lambda c, k: _edit_node_report(c, k, lag=False), "error", "report:n1",
         "disagrees with"),
+    "compact report without report_at": (
+        lambda c, k: c.delete(k.report_at("n1")), "error", "report_at:n1", "absent while"),
+    "report_at not two integers": (
+        lambda c, k: c.set(k.report_at("n1"), "abc", keepttl=True), "error", "report_at:n1",
+        "proxies refuse it"),
+    "report_at names another version": (
+        lambda c, k: c.set(k.report_at("n1"), f"1 {_at_of(c, k)}", keepttl=True), "error",
+        "report_at:n1", "names version 1"),
+    "report_at in the future": (
+        lambda c, k: c.set(k.report_at("n1"), f"{_version_of(c, k)} {_at_of(c, k) + 60_000}",
+                           keepttl=True), "error", "report_at:n1", "in the future"),
+    "report_at without expiry": (
+        lambda c, k: c.persist(k.report_at("n1")), "error", "report_at:n1", "has no expiry"),
+    "report_at without the body": (
+        lambda c, k: c.delete(k.report("n1")), "warning", "report_at:n1", "present without"),
     "lag report for a partition not hosted": (
         _unhosted_report, "error", "lag:n1", "a partition the node's hosting does not list"),
     "position past the end offset": (

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
 
 import pytest
+import redis
 from hypothesis import given
 from hypothesis import strategies as st
 
 from common.contract import (
+    BODY_REWRITE_MS,
     SCHEMA_VERSION,
     Assignment,
     ContractError,
@@ -19,6 +22,7 @@ from common.contract import (
     NodeInfo,
     PartitionAssignment,
     PartitionReport,
+    ReportBodies,
     StoreInfo,
     decode_assignment,
     decode_event,
@@ -26,11 +30,15 @@ from common.contract import (
     decode_node,
     decode_node_report,
     decode_report,
+    decode_report_at,
     decode_store,
     encode,
     encode_node_report,
+    encode_report_at,
     lag_field,
     node_report,
+    report_time,
+    write_node_report,
 )
 
 
@@ -42,6 +50,7 @@ def test_key_names_are_stable():
     assert keys.hosting("n1") == "kroute:prod:hosting:n1"
     assert keys.lag("n1") == "kroute:prod:lag:n1"
     assert keys.report("n1") == "kroute:prod:report:n1"
+    assert keys.report_at("n1") == "kroute:prod:report_at:n1"
     assert keys.assignment == "kroute:prod:assignment"
     assert keys.leader == "kroute:prod:leader"
     assert keys.events == "kroute:prod:events"
@@ -136,12 +145,12 @@ REPORTS = {
 
 
 def test_a_node_report_is_compact_and_aligned_with_its_partitions():
-    raw = encode_node_report(node_report(HOSTING, REPORTS))
+    raw = encode_node_report(node_report(HOSTING, REPORTS, version=AT - 60_000))
     assert json.loads(raw) == {
         "v": 1,
         "node_id": "n1",
         "generation": 3,
-        "at_ms": AT,
+        "version": AT - 60_000,
         "stores": {
             "s": {"active": [0, 5], "standby": [2], "lag": [[0, 5, 10], [40, None, None], None]}
         },
@@ -149,20 +158,25 @@ def test_a_node_report_is_compact_and_aligned_with_its_partitions():
 
 
 def test_a_node_report_gives_back_the_hosting_and_the_lags_around_known_positions():
-    decoded = decode_node_report(encode_node_report(node_report(HOSTING, REPORTS)))
-    assert decoded.hosting() == HOSTING
-    rebuilt = decoded.partition_reports({("s", 0): 500, ("s", 5): 90})  # 5's position is older
+    decoded = decode_node_report(encode_node_report(node_report(HOSTING, REPORTS, version=7)))
+    assert decoded.version == 7
+    assert decoded.hosting(AT) == HOSTING
+    positions = {("s", 0): 500, ("s", 5): 90}  # 5's position is older
+    rebuilt = decoded.partition_reports(positions, AT)
     assert rebuilt[("s", 0)] == REPORTS[("s", 0)]
     assert rebuilt[("s", 5)] == PartitionReport(90, 130, None, None, AT)  # lag 40 exact
     assert ("s", 2) not in rebuilt
-    assert decoded.partition_reports({})[("s", 0)].current_offset == 0  # no position: 0
+    assert decoded.partition_reports({}, AT)[("s", 0)].current_offset == 0  # no position: 0
+    # Confirmed later, the same body: every time moves with the confirmation.
+    later = decoded.partition_reports(positions, AT + 250)[("s", 0)]
+    assert later == PartitionReport(500, 500, AT + 240, AT + 245, AT + 250)
 
 
 def test_a_node_report_is_never_younger_than_its_oldest_report():
     old = {**REPORTS, ("s", 2): PartitionReport(7, 7, None, AT - 900, AT - 800)}
+    assert report_time(HOSTING, old) == AT - 800
     decoded = decode_node_report(encode_node_report(node_report(HOSTING, old)))
-    assert decoded.at_ms == AT - 800
-    assert decoded.partition_reports({})[("s", 0)].caught_up_at_ms == AT - 5  # exact
+    assert decoded.partition_reports({}, AT - 800)[("s", 0)].caught_up_at_ms == AT - 5  # exact
 
 
 def _report_body(**changes: object) -> bytes:
@@ -183,7 +197,9 @@ def _store_body(**changes: object) -> bytes:
         (b"[]", "JSON object"),
         (_report_body(v=2), "schema version 2"),
         (_report_body(extra=1), "fields"),
-        (_report_body(at_ms="1"), "wrong type"),
+        (_report_body(version="1"), "wrong type"),
+        (_report_body(at_ms=AT), "fields"),  # the time is report_at's
+        (_report_body(version=None), "wrong type"),
         (_report_body(generation=True), "wrong type"),
         (_report_body(node_id=7), "wrong type"),
         (_report_body(stores=[]), "not an object"),
@@ -200,3 +216,87 @@ def _store_body(**changes: object) -> bytes:
 def test_a_node_report_it_does_not_understand_is_refused_with_a_reason(raw, reason):
     with pytest.raises(ContractError, match=re.escape(reason)):
         decode_node_report(raw)
+
+
+# -- report_at:<id>, the confirmation, and the writer's rule -------------------------------------
+
+
+def test_report_at_is_two_integers_round_trip():
+    assert encode_report_at(7, AT) == f"7 {AT}".encode()
+    assert decode_report_at(encode_report_at(7, AT)) == (7, AT)
+    assert decode_report_at(f"7 {AT}") == (7, AT)
+
+
+@pytest.mark.parametrize(
+    "raw", [b"abc", b"1", b"-5 6", b"5 -6", b"1 2 3", b"1  2", b" 1 2", b"1 2 ", b"\xc2\xb2 1",
+            b"1.5 2", b"", b"1 " + b"9" * 19, b'{"version": 1}', b"\xff 1"]
+)  # fmt: skip
+def test_a_report_at_it_does_not_understand_is_refused(raw):
+    with pytest.raises(ContractError, match="not a report_at value"):
+        decode_report_at(raw)
+
+
+@pytest.fixture
+def client(redis_server) -> redis.Redis:  # type: ignore[no-untyped-def]
+    connection = redis.Redis.from_url(redis_server.url)
+    yield connection  # type: ignore[misc]
+    connection.close()
+
+
+def _write(client: redis.Redis, keys: Keys, bodies: ReportBodies, at: int, lag: int = 0) -> None:
+    """n1's report at `at`: caught up 5 ms before it (the same body whenever `lag` is)."""
+    reports = {("s", 0): PartitionReport(500, 500 + lag, at - 10, at - 5, at)}
+    pipe = client.pipeline(transaction=True)
+    hosting = Hosting("n1", 3, {"s": {"active": (0,), "standby": ()}}, at)
+    write_node_report(pipe, keys, hosting, reports, 60_000, bodies=bodies)
+    pipe.execute()
+
+
+def _stamp(client: redis.Redis, keys: Keys) -> tuple[int, int]:
+    return decode_report_at(client.get(keys.report_at("n1")) or b"")
+
+
+@pytest.mark.integration
+def test_the_writer_writes_the_body_only_when_it_changes_and_always_report_at(client):
+    keys, bodies = Keys(f"rule-{uuid.uuid4().hex[:8]}"), ReportBodies()
+    _write(client, keys, bodies, AT)
+    assert _stamp(client, keys) == (AT, AT)  # version: the writer's time when first written
+    assert decode_node_report(client.get(keys.report("n1")) or b"").version == AT
+    client.set(keys.report("n1"), b"marker", keepttl=True)  # to see whether it is rewritten
+
+    _write(client, keys, bodies, AT + 250)  # the same body relative to its time
+    assert client.get(keys.report("n1")) == b"marker", "an unchanged body was rewritten"
+    assert _stamp(client, keys) == (AT, AT + 250), "report_at not written on every report"
+    assert 0 < client.pttl(keys.report("n1")) <= 60_000  # same expiry as report_at
+    assert 0 < client.pttl(keys.report_at("n1")) <= 60_000
+
+    _write(client, keys, bodies, AT + 500, lag=3)  # changed: a new version, body and stamp
+    body = decode_node_report(client.get(keys.report("n1")) or b"")
+    assert body.version == AT + 500
+    assert body.lags == {"s": ((3, 5, 10),)}
+    assert _stamp(client, keys) == (AT + 500, AT + 500)
+
+
+@pytest.mark.integration
+def test_the_writer_rewrites_an_unchanged_body_now_and_then_in_case_a_write_was_lost(client):
+    keys, bodies = Keys(f"rule-{uuid.uuid4().hex[:8]}"), ReportBodies()
+    _write(client, keys, bodies, AT)
+    client.delete(keys.report("n1"))  # a Redis restarted empty, a transaction that failed
+    _write(client, keys, bodies, AT + BODY_REWRITE_MS - 1)
+    assert client.get(keys.report("n1")) is None
+    _write(client, keys, bodies, AT + BODY_REWRITE_MS)
+    assert decode_node_report(client.get(keys.report("n1")) or b"").version == AT  # same one
+    assert _stamp(client, keys) == (AT, AT + BODY_REWRITE_MS)
+
+
+@pytest.mark.integration
+def test_a_restarted_writer_gives_a_higher_version(client):
+    keys, bodies = Keys(f"rule-{uuid.uuid4().hex[:8]}"), ReportBodies()
+    _write(client, keys, bodies, AT)
+    _write(client, keys, bodies, AT + 100, lag=1)
+    _write(client, keys, bodies, AT + 100, lag=2)  # two changes in one ms: still increasing
+    assert _stamp(client, keys) == (AT + 101, AT + 100)
+    _write(client, keys, ReportBodies(), AT + 300)  # a restart: nothing known of the last run
+    version, at_ms = _stamp(client, keys)
+    assert (version, at_ms) == (AT + 300, AT + 300)
+    assert decode_node_report(client.get(keys.report("n1")) or b"").version == version

@@ -20,6 +20,7 @@ from common.contract import (
     PartitionReport,
     StoreInfo,
     decode_assignment,
+    decode_event,
     decode_report,
     encode,
 )
@@ -395,6 +396,8 @@ def test_a_node_dead_past_its_grace_period_is_forgotten_and_registers_again(redi
                     cluster.keys.node("d"),
                     cluster.keys.hosting("d"),
                     cluster.keys.lag("d"),
+                    cluster.keys.report("d"),
+                    cluster.keys.report_at("d"),
                 )
             ]
             forgotten = await cluster.admin.smembers(cluster.keys.nodes)
@@ -406,7 +409,7 @@ def test_a_node_dead_past_its_grace_period_is_forgotten_and_registers_again(redi
     during_grace, left, forgotten, back = asyncio.run(scenario())
     assert during_grace == {b"a", b"d"}, "kept while its grace period runs"
     assert forgotten == {b"a"}
-    assert left == [0, 0, 0], "its node, hosting and lag keys went with it"
+    assert left == [0] * 5, "its node, hosting, lag, report and report_at keys went with it"
     assert back == {b"a", b"d"}
 
 
@@ -508,3 +511,29 @@ def test_a_time_stamped_before_the_first_sync_is_moved_back_with_the_clock(redis
 
     caught_up_at, redis_now = asyncio.run(scenario())
     assert redis_now - caught_up_at >= 400 - 50
+
+
+def test_a_process_announces_its_node_key_once_with_its_first_heartbeat(redis_server):
+    """A node restarted on another URL rewrites node:<id>; proxies read node keys on an event
+    (or every 30 s), so its first heartbeat says so, and later heartbeats stay silent."""
+    keys = Keys(f"t-{uuid.uuid4().hex[:8]}")
+
+    async def scenario() -> list[str]:
+        node = member(redis_server.url, keys, None)
+        listener = aioredis.Redis.from_url(redis_server.url)
+        pubsub = listener.pubsub()
+        try:
+            await pubsub.subscribe(keys.events)
+            await pubsub.get_message(timeout=1.0)  # the subscription's confirmation
+            for _ in range(3):
+                await node.heartbeat()
+            events: list[str] = []
+            while (message := await pubsub.get_message(timeout=0.5)) is not None:
+                events.append(decode_event(message["data"]).type)
+            return events
+        finally:
+            await pubsub.aclose()
+            await listener.aclose()
+            await node.redis.aclose()
+
+    assert asyncio.run(scenario()) == ["node"]

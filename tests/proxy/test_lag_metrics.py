@@ -187,7 +187,8 @@ def test_a_real_proxy_shows_unknown_lag_as_nan_and_drops_departed_replicas(clust
     node = cluster.cluster.placements["customers"][5].active
     cluster.publish()
     cluster.redis.hdel(cluster.cluster.keys.lag(node), field)
-    cluster.redis.delete(cluster.cluster.keys.report(node))  # lag:<id> alone says it now
+    keys = cluster.cluster.keys
+    cluster.redis.delete(keys.report(node), keys.report_at(node))  # lag:<id> alone says it
     series = labels(5, node, "active")
     text = metrics_until(cluster, lambda t: math.isnan(sample_values(t, LAG).get(series, 0)))
     assert math.isnan(sample_values(text, LAG)[series])

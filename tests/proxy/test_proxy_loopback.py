@@ -402,7 +402,8 @@ def test_unknown_lag_is_rejected_under_a_budget_by_default(stand_ins):
     keys = stand_ins.cluster.keys
     for node in placed.replicas():
         stand_ins.redis.hdel(keys.lag(node), f"customers/{chosen}")
-        stand_ins.redis.delete(keys.report(node))  # as a writer of lag:<id> alone leaves it
+        # as a writer of lag:<id> alone leaves it
+        stand_ins.redis.delete(keys.report(node), keys.report_at(node))
     stand_ins.redis.publish(keys.events, json.dumps({"v": 1, "type": "lag"}))
     time.sleep(0.5)
     try:

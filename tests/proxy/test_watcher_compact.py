@@ -1,5 +1,7 @@
-"""The sweep's compact read (`report:<id>`, one MGET): the same table as from the legacy keys,
-positions from the slower node read, schema-1 writers as before, hostile values skipped."""
+"""The sweep's compact read (`report_at:<id>` in one MGET, then the `report:<id>` bodies whose
+version changed in another): the same table as from the legacy keys, positions from the
+slower node read, an unchanged body never read again, schema-1 writers as before, hostile
+values skipped."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import asyncio
 import json
 import time
 import uuid
+from collections import defaultdict
 from collections.abc import Awaitable, Callable, Mapping
 
 import pytest
@@ -21,11 +24,14 @@ from common.contract import (
     Keys,
     NodeInfo,
     PartitionReport,
+    ReportBodies,
     StoreInfo,
     as_text,
     decode_hosting,
     decode_node,
+    decode_node_report,
     decode_report,
+    decode_report_at,
     encode,
     write_node_report,
 )
@@ -39,6 +45,8 @@ pytestmark = pytest.mark.integration
 NODES = ("n0", "n1", "n2")
 PARTITIONS = 6
 EXPIRE_MS = 60_000
+# What each test cluster's writer last wrote as its nodes' report:<id> (by cluster name).
+BODIES: defaultdict[str, ReportBodies] = defaultdict(ReportBodies)
 
 
 def _reports(node_id: str, hosted: Mapping[str, tuple[int, ...]], at: int, lag: int) -> dict:  # type: ignore[type-arg]
@@ -64,7 +72,8 @@ def write_node(
     compact: bool = True,
 ) -> None:
     """The node's hosting and reports (positions `moved` further on), as kroute nodes write
-    them (`write_node_report`), or as a schema-1 writer does (no `report:<id>`)."""
+    them (`write_node_report`), or as a schema-1 writer does (no `report:<id>` and no
+    `report_at:<id>`)."""
     placed = round_robin(PARTITIONS, list(NODES), 1)
     roles = Assignment(1, NODES[0], at, {"s": placed}).for_node(node_id)["s"]
     hosted = {r: tuple(ps) for r, ps in roles.items()}
@@ -74,9 +83,9 @@ def write_node(
     }
     hosting = Hosting(node_id, 1, {"s": hosted}, at)  # type: ignore[dict-item]
     pipe = client.pipeline(transaction=True)
-    write_node_report(pipe, keys, hosting, reports, EXPIRE_MS)
+    write_node_report(pipe, keys, hosting, reports, EXPIRE_MS, bodies=BODIES[keys.cluster])
     if not compact:
-        pipe.delete(keys.report(node_id))
+        pipe.delete(keys.report(node_id), keys.report_at(node_id))
     pipe.execute()
 
 
@@ -163,6 +172,11 @@ def whole_reads(watcher: TableWatcher) -> int:
 def lag_of(watcher: TableWatcher, partition: int, node_id: str) -> int | None:
     row = watcher.snapshot.stores["s"].replicas[partition]
     return next(r.lag for r in row if r.node_id == node_id)
+
+
+def reported_at(watcher: TableWatcher, partition: int, node_id: str) -> int | None:
+    row = watcher.snapshot.stores["s"].replicas[partition]
+    return next(r.reported_at_ms for r in row if r.node_id == node_id)
 
 
 def position_of(watcher: TableWatcher, partition: int, node_id: str) -> int | None:
@@ -291,5 +305,149 @@ def test_a_report_from_the_future_is_no_report(redis_server, client, rare_node_r
         await asyncio.sleep(0.5)
         assert lag_of(watcher, 0, "n0") is None
         assert whole_reads(watcher) == whole, "the sweep judged report:<id> itself"
+
+    watch(redis_server.url, keys, scenario)
+
+
+# -- report_at:<id>: a body read only when its version changes ------------------------------------
+
+
+async def bodies_known(watcher: TableWatcher) -> None:
+    """Until the sweep holds every node's body (the full reads read the legacy keys)."""
+    await until(lambda: set(watcher._bodies) == set(NODES), "bodies never read")
+
+
+def version_of(client: redis.Redis, keys: Keys, node_id: str) -> int:
+    return decode_report_at(client.get(keys.report_at(node_id)) or b"")[0]
+
+
+class BodyReads:
+    """Counts the watcher's MGETs of `report:<id>` bodies (by the nodes they ask for)."""
+
+    def __init__(self, watcher: TableWatcher, keys: Keys) -> None:
+        self.nodes: list[str] = []
+        mget = watcher.redis.mget
+        prefix = keys.report("")
+
+        async def counting(names, *args):  # type: ignore[no-untyped-def]
+            self.nodes += [n.removeprefix(prefix) for n in names if n.startswith(prefix)]
+            return await mget(names, *args)
+
+        watcher.redis.mget = counting  # type: ignore[method-assign]
+
+
+def test_an_unchanged_body_is_not_read_again_and_its_times_advance(
+    redis_server, client, rare_node_reads
+):
+    keys = Keys(f"compact-{uuid.uuid4().hex[:8]}")
+    publish(client, keys, int(time.time() * 1000), compact=dict.fromkeys(NODES, True))
+
+    async def scenario(watcher: TableWatcher) -> None:
+        await bodies_known(watcher)
+        reads = BodyReads(watcher, keys)
+        version = version_of(client, keys, "n0")
+        confirms, whole = watcher.stats.report_confirms, whole_reads(watcher)
+        before = reported_at(watcher, 0, "n0") or 0
+        at = before + 400
+        write_node(client, keys, "n0", at)  # the same lags and ages, 400 ms later
+        assert version_of(client, keys, "n0") == version, "the writer made a new version"
+        await until(lambda: reported_at(watcher, 0, "n0") == at, "the time never advanced")
+        row = next(r for r in watcher.snapshot.stores["s"].replicas[0] if r.node_id == "n0")
+        assert row.caught_up_at_ms == at - 3  # caught up 3 ms before, as written
+        assert row.lag == 0
+        assert "n0" not in reads.nodes, "an unchanged body was read again"
+        assert watcher.stats.report_confirms > confirms
+        assert whole_reads(watcher) == whole
+
+    watch(redis_server.url, keys, scenario)
+
+
+def test_a_changed_body_is_read(redis_server, client, rare_node_reads):
+    keys = Keys(f"compact-{uuid.uuid4().hex[:8]}")
+    publish(client, keys, int(time.time() * 1000), compact=dict.fromkeys(NODES, True))
+
+    async def scenario(watcher: TableWatcher) -> None:
+        await bodies_known(watcher)
+        reads = BodyReads(watcher, keys)
+        version = version_of(client, keys, "n0")
+        write_node(client, keys, "n0", int(time.time() * 1000), lag=6)
+        assert version_of(client, keys, "n0") > version
+        await until(lambda: lag_of(watcher, 0, "n0") == 6, "the new body was never applied")
+        assert reads.nodes.count("n0") == 1, reads.nodes  # once: then it is known
+        await asyncio.sleep(0.5)
+        assert reads.nodes.count("n0") == 1, reads.nodes
+
+    watch(redis_server.url, keys, scenario)
+
+
+def test_a_body_report_at_does_not_name_is_not_applied_until_it_does(
+    redis_server, client, rare_node_reads
+):
+    keys = Keys(f"compact-{uuid.uuid4().hex[:8]}")
+    publish(client, keys, int(time.time() * 1000), compact=dict.fromkeys(NODES, True))
+
+    async def scenario(watcher: TableWatcher) -> None:
+        reads = BodyReads(watcher, keys)
+        whole = whole_reads(watcher)
+        body = json.loads(client.get(keys.report("n0")) or b"{}")
+        body["stores"]["s"]["lag"][0] = [7, 0, 0]
+        body["version"] += 10
+        at = int(time.time() * 1000)
+        # The body of a newer version, confirmed for another: as of when it holds is unknown.
+        client.set(keys.report("n0"), json.dumps(body), px=EXPIRE_MS)
+        client.set(keys.report_at("n0"), f"{body['version'] - 1} {at}", px=EXPIRE_MS)
+        await until(lambda: reads.nodes.count("n0") >= 3, "the body was not read again")
+        assert lag_of(watcher, 0, "n0") == 0, "a body applied with another version's time"
+        assert whole_reads(watcher) == whole
+        client.set(keys.report_at("n0"), f"{body['version']} {at + 100}", px=EXPIRE_MS)
+        await until(lambda: lag_of(watcher, 0, "n0") == 7, "the confirmed body never applied")
+        assert reported_at(watcher, 0, "n0") == at + 100
+        assert decode_node_report(client.get(keys.report("n0")) or b"").version == body["version"]
+
+    watch(redis_server.url, keys, scenario)
+
+
+@pytest.mark.parametrize("how", ["missing", "abc", "1", "negative version", "negative time"])
+def test_without_a_usable_report_at_the_legacy_keys_are_read(
+    redis_server, client, rare_node_reads, how
+):
+    keys = Keys(f"compact-{uuid.uuid4().hex[:8]}")
+    publish(client, keys, int(time.time() * 1000), compact=dict.fromkeys(NODES, True))
+
+    async def scenario(watcher: TableWatcher) -> None:
+        whole = whole_reads(watcher)
+        at = int(time.time() * 1000)
+        write_node(client, keys, "n0", at, lag=9, moved=20)  # lag:n0 has the positions
+        version = version_of(client, keys, "n0")
+        if how == "missing":
+            client.delete(keys.report_at("n0"))
+        else:
+            value = {"abc": "abc", "1": "1", "negative version": f"-{version} {at}",
+                     "negative time": f"{version} -{at}"}[how]  # fmt: skip
+            client.set(keys.report_at("n0"), value, px=EXPIRE_MS)
+        # Only a node read brings positions (the sweep of report:<id> keeps the last ones).
+        await until(lambda: position_of(watcher, 0, "n0") == 1_020, "the legacy keys not read")
+        assert lag_of(watcher, 0, "n0") == 9
+        assert whole_reads(watcher) > whole
+
+    watch(redis_server.url, keys, scenario)
+
+
+def test_a_report_at_from_the_future_is_no_report(redis_server, client, rare_node_reads):
+    keys = Keys(f"compact-{uuid.uuid4().hex[:8]}")
+    publish(client, keys, int(time.time() * 1000), compact=dict.fromkeys(NODES, True))
+
+    async def scenario(watcher: TableWatcher) -> None:
+        await bodies_known(watcher)
+        assert lag_of(watcher, 0, "n0") == 0
+        whole = whole_reads(watcher)
+        version = version_of(client, keys, "n0")
+        # The known body, confirmed by a writer whose clock is a minute ahead.
+        ahead = int(time.time() * 1000) + 60_000
+        client.set(keys.report_at("n0"), f"{version} {ahead}", px=EXPIRE_MS)
+        await until(lambda: lag_of(watcher, 0, "n0") is None, "the future report was applied")
+        await asyncio.sleep(0.5)
+        assert lag_of(watcher, 0, "n0") is None
+        assert whole_reads(watcher) == whole, "the sweep judged report_at:<id> itself"
 
     watch(redis_server.url, keys, scenario)
