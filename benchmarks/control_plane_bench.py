@@ -102,6 +102,10 @@ class WriterPlan:
     partitions: int
     standbys: int
     urls: list[str]
+    # Real nodes: "caught up at" is the time of the last end-offset read the position reached,
+    # so its age moves between reports and the compact body changes on nearly every report.
+    # Off: every replica caught up 5 ms before each report (the body stays the same).
+    ages_move: bool = False
 
 
 def _report_json(current: int, end: int, caught_up_at: int, at: int) -> bytes:
@@ -158,10 +162,16 @@ def _queue_compact(
     pipe.set(keys.report_at(node_id), f"{last.version} {at}", px=expire_ms)
 
 
-def _lags(count: int, probe_index: int | None, probe_entry: str) -> str:
-    """Every replica caught up 5 ms before the report (lag 0, newest record at the report),
-    the probe partition's entry as given."""
-    entries = ["[0,5,0]"] * count
+def _caught_up_ago(plan: WriterPlan, at: int) -> int:
+    """How long before the report every replica was caught up: 5 ms, or with `ages_move` the
+    time since the last end-offset read on a 200 ms cycle (as a real node's moves)."""
+    return 5 + at % 200 if plan.ages_move else 5
+
+
+def _lags(count: int, probe_index: int | None, probe_entry: str, ago: int = 5) -> str:
+    """Every replica caught up `ago` ms before the report (lag 0, newest record at the
+    report), the probe partition's entry as given."""
+    entries = [f"[0,{ago},0]"] * count
     if probe_index is not None:
         entries[probe_index] = probe_entry
     return ",".join(entries)
@@ -208,17 +218,21 @@ def run_writer(
                 )
                 pipe.set(keys.hosting(node_id), encode(hosting))
                 pipe.delete(keys.lag(node_id))
-                reports = {f: _report_json(end, end, at - 5, at) for f in fields[node_id]}
+                ago = _caught_up_ago(plan, at)
+                reports = {f: _report_json(end, end, at - ago, at) for f in fields[node_id]}
                 if node_id == probe_node:
                     reports[f"{STORE}/{PROBE_PARTITION}"] = _report_json(
-                        end - lag_now, end, at - 5 if lag_now == 0 else int(origin * 1000), at
+                        end - lag_now, end, at - ago if lag_now == 0 else int(origin * 1000), at
                     )
                 if reports:
                     pipe.hset(keys.lag(node_id), mapping=reports)  # type: ignore[arg-type]
                     pipe.pexpire(keys.lag(node_id), ALIVE_TTL_MS * 10)
-                caught_up_ago = 5 if lag_now == 0 else at - int(origin * 1000)
+                caught_up_ago = ago if lag_now == 0 else at - int(origin * 1000)
                 lags = _lags(
-                    len(fields[node_id]), probe_index[node_id], f"[{lag_now},{caught_up_ago},0]"
+                    len(fields[node_id]),
+                    probe_index[node_id],
+                    f"[{lag_now},{caught_up_ago},0]",
+                    ago,
                 )
                 _queue_compact(pipe, keys, node_id, hosted[node_id], at, lags, bodies)
             pipe.execute()
@@ -253,7 +267,13 @@ class Writers:
 
 
 def start_writers(
-    redis_url: str, cluster: str, size: tuple[int, int], standbys: int, count: int, urls: list[str]
+    redis_url: str,
+    cluster: str,
+    size: tuple[int, int],
+    standbys: int,
+    count: int,
+    urls: list[str],
+    ages_move: bool = False,
 ) -> Writers:
     nodes_n, partitions = size
     nodes = [f"node-{i:04d}" for i in range(nodes_n)]
@@ -264,7 +284,14 @@ def start_writers(
     processes = []
     for index in range(count):
         plan = WriterPlan(
-            redis_url, cluster, nodes, nodes[index::count], partitions, standbys, node_urls
+            redis_url,
+            cluster,
+            nodes,
+            nodes[index::count],
+            partitions,
+            standbys,
+            node_urls,
+            ages_move,
         )
         started = context.Event()
         process = context.Process(
@@ -464,7 +491,9 @@ def measure_size(
     cluster = f"cp-{nodes_n}-{partitions}"
     client = redis.Redis.from_url(redis_url, client_name="bench-main")
     say(f"{nodes_n} nodes / {partitions} partitions: starting {args.writers} writers")
-    writers = start_writers(redis_url, cluster, size, args.standbys, args.writers, backends)
+    writers = start_writers(
+        redis_url, cluster, size, args.standbys, args.writers, backends, args.ages_move
+    )
     try:
         time.sleep(2)
         baseline_read = full_read(client, Keys(cluster))
@@ -604,7 +633,8 @@ def markdown(data: dict[str, Any]) -> str:
         )
     return "\n".join(
         [
-            "## Control plane at scale (issue 22)",
+            "## Control plane at scale (issue 22)"
+            + (", replicas' ages moving as a real node's" if data.get("ages_move") else ""),
             "",
             f"`{data['command']}` at {data['revision']}; {data['machine']}; the machine's "
             "1-minute load average after each size: "
@@ -659,6 +689,11 @@ def main() -> int:
     parser.add_argument("--connections", type=int, default=50)
     parser.add_argument("--standbys", type=int, default=1, choices=(1, 2))
     parser.add_argument("--writers", type=int, default=2, help="writer processes")
+    parser.add_argument(
+        "--ages-move",
+        action="store_true",
+        help="replicas' caught-up ages move between reports, as a real node's do",
+    )
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="kroute-control-plane-"))
     sizes: dict[str, Any] = {}
@@ -690,12 +725,15 @@ def main() -> int:
         "revision": git_revision(),
         "machine": machine_notes(),
         "standbys": args.standbys,
+        "ages_move": args.ages_move,
         "sizes": sizes,
         "projection": projection(sizes),
     }
     shutil.rmtree(workdir, ignore_errors=True)  # kept only when a run fails, for its logs
-    write_json("control_plane", data)
-    write_section("control_plane", markdown(data))
+    # Moving ages are a second scenario beside the steady one: kept in their own results.
+    name = "control_plane_ages_move" if args.ages_move else "control_plane"
+    write_json(name, data)
+    write_section(name, markdown(data))
     print(markdown(data))
     return 0
 
