@@ -201,6 +201,7 @@ SECTION_NOT_FIGURES: dict[str, dict[str, str]] = {
         "15": "the load average's 15 minutes",
     },
     "control_plane": {"22": "issue 22"},
+    "control_plane_ages_move": {"22": "issue 22"},
 }
 
 
