@@ -247,7 +247,11 @@ class ClusterMember:
         # and computing from its own copy would give a different assignment the same number.
         stored, previous = await self._stored_assignment()
         members, stores, lag = await self._cluster_state(previous)
-        assignment = compute_assignment(
+        # In a thread: at 1,000 nodes and 20,000 partitions one computation takes ~250-470 ms
+        # of Python, which on the loop would stop this node's lookups every leader step. Its
+        # inputs are this step's own copies.
+        assignment = await asyncio.to_thread(
+            compute_assignment,
             stores,
             members,
             previous,
@@ -376,18 +380,13 @@ class ClusterMember:
             node_id: Member(node_id, alive=up, dead_since_ms=None if up else dead_since[node_id])
             for node_id, up in alive.items()
         }
-        lag: dict[tuple[str, int, str], int | None] = {}
         async with self.redis.pipeline(transaction=False) as pipe:  # one round trip, not N
             for node_id in node_ids:
                 pipe.hgetall(self.keys.lag(node_id))
             every_report = await pipe.execute() if node_ids else []
-        for node_id, reported in zip(node_ids, every_report, strict=True):
-            for lag_key, raw in reported.items():
-                store_name, _, partition = as_text(lag_key).rpartition("/")
-                try:
-                    lag[(store_name, int(partition), node_id)] = decode_report(raw).lag
-                except (ContractError, ValueError):
-                    continue
+        # Every replica's report decoded (40,000 at 1,000 nodes): off the loop, like the
+        # computation that reads them.
+        lag = await asyncio.to_thread(_offset_lags, node_ids, every_report)
         return members, stores, lag
 
     async def _dead_since(self, alive: Mapping[str, bool]) -> dict[str, int]:
@@ -492,3 +491,19 @@ def _concerns_nodes(raw: object) -> bool:
     except (ContractError, ValueError, TypeError):
         return True  # unreadable: re-read, as before
     return event.type in ("assignment", "node")
+
+
+def _offset_lags(
+    node_ids: list[str], every_report: list[dict[bytes, bytes]]
+) -> dict[tuple[str, int, str], int | None]:
+    """(store, partition, node) -> offset lag, from each node's `lag:<id>` hash; a field that
+    does not follow the contract is skipped."""
+    lag: dict[tuple[str, int, str], int | None] = {}
+    for node_id, reported in zip(node_ids, every_report, strict=True):
+        for lag_key, raw in reported.items():
+            store_name, _, partition = as_text(lag_key).rpartition("/")
+            try:
+                lag[(store_name, int(partition), node_id)] = decode_report(raw).lag
+            except (ContractError, ValueError):
+                continue
+    return lag

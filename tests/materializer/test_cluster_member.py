@@ -4,6 +4,7 @@ tests read what it wrote back through a proxy's TableWatcher)."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import uuid
 
@@ -24,6 +25,7 @@ from common.contract import (
     decode_report,
     encode,
 )
+from materializer.assignment import compute_assignment
 from materializer.cluster import ClusterMember, ClusterTiming, Written
 from proxy.choice import LagBudget, Replica, choose_replicas
 from proxy.watcher import TableWatcher
@@ -537,3 +539,29 @@ def test_a_process_announces_its_node_key_once_with_its_first_heartbeat(redis_se
             await node.redis.aclose()
 
     assert asyncio.run(scenario()) == ["node"]
+
+
+def test_the_leader_computes_the_assignment_off_the_event_loop(redis_server, monkeypatch):
+    """At 1,000 nodes and 20,000 partitions a computation takes hundreds of milliseconds of
+    Python: on the event loop it would stop the leader's own lookups at every step."""
+    keys = Keys(f"t-{uuid.uuid4().hex[:8]}")
+    threads: list[int] = []
+
+    def recording(*args: object, **kwargs: object) -> Assignment:
+        threads.append(threading.get_ident())
+        return compute_assignment(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr("materializer.cluster.compute_assignment", recording)
+
+    async def scenario() -> int:
+        leader = member(redis_server.url, keys, None)
+        try:
+            await leader.heartbeat()
+            await leader.lead()
+            return threading.get_ident()
+        finally:
+            await leader.redis.aclose()
+
+    loop_thread = asyncio.run(scenario())
+    assert threads, "the leader computed no assignment"
+    assert loop_thread not in threads
