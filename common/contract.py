@@ -322,8 +322,9 @@ class NodeReport:
     `lag:<id>`, in a few bytes a replica, without time: its ages are counted back from the
     time `report_at:<id>` confirms it at, so at steady state the body does not change and is
     written (and read) only when it does. No positions (`current_offset`) either: they change
-    on every report and are what makes `lag:<id>` big; readers take them from `lag:<id>`, less
-    often (a position only grows, so an older one is a lower bound)."""
+    on every report and are what makes `lag:<id>` big; readers take end offsets from `lag:<id>`,
+    less often, and count a position back from one (the end only grows, so `end - lag` is a
+    lower bound; a position itself falls when a replica is reset)."""
 
     node_id: str
     generation: int
@@ -339,10 +340,13 @@ class NodeReport:
         return Hosting(self.node_id, self.generation, self.stores, at_ms)
 
     def partition_reports(
-        self, positions: Mapping[tuple[str, int], int], at_ms: int
+        self, ends: Mapping[tuple[str, int], int], at_ms: int
     ) -> dict[tuple[str, int], PartitionReport]:
-        """(store, partition) -> its report as of `at_ms`, rebuilt around a known position (0
-        if none): the lag and the times exact, the position a lower bound."""
+        """(store, partition) -> its report as of `at_ms`, rebuilt around an end offset known
+        from an earlier read (the log's end only grows): the lag and the times exact, the
+        position `end - lag` a lower bound (0 when either is unknown). Not the earlier
+        position itself: a replica's position falls when its store is reset or rebuilt, and
+        an old one would claim offsets the replica no longer has (read-your-writes)."""
         # On the proxy's sweep for every replica of every node: kept lean (positional).
         at = at_ms
         reports: dict[tuple[str, int], PartitionReport] = {}
@@ -353,7 +357,8 @@ class NodeReport:
                     continue
                 lag, caught_up_ago, newest_ago = entry
                 where = (store, partition)
-                position = positions.get(where, 0)
+                end = ends.get(where)
+                position = 0 if lag is None or end is None else max(end - lag, 0)
                 reports[where] = PartitionReport(
                     position,  # current_offset
                     None if lag is None else position + lag,  # end_offset
@@ -460,6 +465,9 @@ def _store_report(
             raise ContractError(f"not a NodeReport: store {store!r} partitions not integers")
     if not isinstance(lag, list) or len(lag) != len(active) + len(standby):
         raise ContractError(f"not a NodeReport: store {store!r} lag not aligned with partitions")
+    if len(set(active) | set(standby)) != len(active) + len(standby):
+        # One replica per partition and node: a second entry would overwrite the first.
+        raise ContractError(f"not a NodeReport: store {store!r} lists a partition twice")
     return {"active": tuple(active), "standby": tuple(standby)}, tuple(map(_lag_entry, lag))
 
 

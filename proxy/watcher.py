@@ -13,8 +13,9 @@ Three kinds of reads, each a pipelined round trip or two:
   `report:<id>` body (hosting and lags, a few bytes a replica) of only the nodes whose
   version is not the one it holds: a body is rewritten only when it changes, and at steady
   state none does. It rebuilds each node's hosting and reports from the body and at_ms, around
-  the positions of its last node read (a position only grows: an older one is a lower bound,
-  still a correct preference for read-your-writes). A node without a usable `report_at:<id>`
+  the end offsets of its last node read (position = end - lag: the log's end only grows, so
+  this is a lower bound, still a correct preference for read-your-writes, also after a
+  replica was reset and its own position fell). A node without a usable `report_at:<id>`
   or body (a writer that does not write them) gets a node read instead;
 - a *node read* (`node:<id>`, `hosting:<id>`, `lag:<id>`: everything, with positions): soon
   after an event names the node (`hosting`, `node`, `lag`), for every node once per
@@ -104,6 +105,9 @@ TICK_S = 0.1  # the sweep reads a slice of the nodes this often
 # Values per round trip of node reads: redis-py parses a pipeline's whole reply without
 # yielding (~3 µs a value without hiredis), so this bounds that stretch to about a millisecond.
 VALUES_PER_PIPELINE = 300
+# A `report:<id>` body longer than this is decoded in a thread (about 1 ms of decoding on the
+# loop; a node hosting a few dozen replicas writes well under 1 KiB).
+THREAD_DECODE_BYTES = 16 * 1024
 # `report:<id>` values per MGET of the sweep (each a few bytes a replica; hiredis parses them).
 REPORTS_PER_MGET = 100
 PIPELINES_IN_FLIGHT = 4
@@ -126,11 +130,12 @@ FULL_COLLECT_S = 600.0
 ASSIGNMENT_READ_S = 5.0
 # Every node gets a node read (node:<id>, hosting:<id> and lag:<id> with its positions) at
 # least this often, even when the sweep reads its compact `report:<id>`. Positions are all it
-# brings that the sweep does not, and they only order read-your-writes candidates: a position
-# only grows, so one up to this old is a lower bound (a replica it names is past the offset
-# asked; at worst one that has since passed it is not preferred). A URL change comes with a
-# `node` event, and a request a node refuses triggers a full read; this bounds only what a
-# lost event hides. The node reads were the biggest share of a proxy's Redis traffic at 5 s.
+# brings that the sweep does not, and they only order read-your-writes candidates: counted
+# back from an end offset up to this old, a position is a lower bound (a replica it names is
+# past the offset asked; at worst one that has since passed it is not preferred). A URL
+# change comes with a `node` event, and a request a node refuses triggers a full read; this
+# bounds only what a lost event hides. The node reads were the biggest share of a proxy's
+# Redis traffic at 5 s.
 NODE_READ_S = 30.0
 # The request path's renewal of its cached choices of some partitions of a store (see
 # `TableWatcher.keep_choices`).
@@ -200,12 +205,16 @@ class TableWatcher:
         self._sweep = _Round(self.lag_read_interval_s)
         self._node_round = _Round(NODE_READ_S)  # node reads of nodes that write report:
         # What the last node read said, for the sweep's reads of `report:<id>`: the node's
-        # info (None: not routable) and each replica's position.
+        # info (None: not routable) and each replica's end offset (positions are counted back
+        # from it: a replica's own position falls when it is reset, the log's end does not).
         self._infos: dict[str, NodeInfo | None] = {}
-        self._positions: dict[str, dict[tuple[str, int], int]] = {}
+        self._ends: dict[str, dict[tuple[str, int], int]] = {}
         # Each node's last `report:<id>` body read (by its version): re-applied with the time
         # of every `report_at:<id>` that names that version.
         self._bodies: dict[str, NodeReport] = {}
+        # The version each node's `report_at:<id>` named when its body was refused: that body
+        # is not read (nor decoded) again, the node gets node reads until a new version.
+        self._refused: dict[str, int] = {}
         self._head_due = True
         self._assignment_due = True
         self._last_assignment_s = 0.0
@@ -361,8 +370,9 @@ class TableWatcher:
         for gone in set(self._node_ids) - set(node_ids):
             table.forget_node(gone)
             self._infos.pop(gone, None)
-            self._positions.pop(gone, None)
+            self._ends.pop(gone, None)
             self._bodies.pop(gone, None)
+            self._refused.pop(gone, None)
         self._named |= set(node_ids) - set(self._node_ids) - set(table.nodes)
         self._node_ids = node_ids
         self.stats.head_reads += 1
@@ -418,7 +428,11 @@ class TableWatcher:
         without = []
         for node_id, raw in zip(chunk, raw_stamps, strict=True):
             stamp = self._decoded(decode_report_at, raw, f"report_at:{node_id}")
-            if stamp is None or node_id not in self._infos:
+            if (
+                stamp is None
+                or node_id not in self._infos
+                or self._refused.get(node_id) == stamp[0]
+            ):
                 without.append(node_id)
             else:
                 stamps[node_id] = stamp
@@ -429,7 +443,8 @@ class TableWatcher:
             self._count(1, raw_bodies)
             self._hold()
             for node_id, raw in zip(unknown, raw_bodies, strict=True):
-                self._keep_body(node_id, raw)
+                if not self._keep_body(node_id, raw, await self._decoded_body(node_id, raw)):
+                    self._refused[node_id] = stamps[node_id][0]
                 await self._pace()  # every body at start, or after a rebalance
         at = self.clock.now_ms()  # after the reports arrived: none can be newer but by skew
         read = set(unknown)
@@ -453,10 +468,22 @@ class TableWatcher:
         body = self._bodies.get(node_id)
         return None if body is None else body.version
 
-    def _keep_body(self, node_id: str, raw: Any) -> None:
+    async def _decoded_body(self, node_id: str, raw: Any) -> NodeReport | None:
+        """A `report:<id>` body decoded: on the loop when small (a node's few dozen replicas),
+        in a thread when big enough to hold the loop (100,000 entries: ~150 ms)."""
+        what = f"report:{node_id}"
+        if raw is None or len(raw) <= THREAD_DECODE_BYTES:
+            decoded: NodeReport | None = self._decoded(decode_node_report, raw, what)
+            return decoded
+        await self._yield()
+        decoded = await asyncio.to_thread(self._decoded, decode_node_report, raw, what)
+        self._hold()
+        return decoded
+
+    def _keep_body(self, node_id: str, raw: Any, body: NodeReport | None) -> bool:
         """Hold a node's `report:<id>` body, or forget the one held when there is no usable
-        one (absent, or breaking the contract: skipped, logged once)."""
-        body = self._decoded(decode_node_report, raw, f"report:{node_id}")
+        one (absent, or breaking the contract: skipped, logged once). False when there was
+        one and it was refused."""
         if body is not None and body.node_id != node_id:
             self._warn_once(
                 f"report-of:{node_id}:{body.node_id}",
@@ -465,10 +492,35 @@ class TableWatcher:
                 names=body.node_id,
             )
             body = None
+        if body is not None and not self._within_stores(node_id, body):
+            body = None
         if body is None:
             self._bodies.pop(node_id, None)
-        else:
-            self._bodies[node_id] = body
+            return raw is None
+        self._bodies[node_id] = body
+        self._refused.pop(node_id, None)
+        return True
+
+    def _within_stores(self, node_id: str, body: NodeReport) -> bool:
+        """Whether every partition the body names for a store this proxy knows is one of
+        the store's: a body is re-applied on every sweep, so one a writer padded with
+        partitions that do not exist would hold the loop that long each time (100,000:
+        ~0.5 s). Skipped whole (logged once): the node is read from the legacy keys."""
+        stores = self._table.stores
+        for store, roles in body.stores.items():
+            info = stores.get(store)
+            if info is None:
+                continue  # a store this proxy has not read yet: its rows ignore the body
+            if any(p >= info.partitions for ps in roles.values() for p in ps):
+                self._warn_once(
+                    f"report-outside:{node_id}:{store}",
+                    "ignoring a report naming partitions the store does not have",
+                    key=f"report:{node_id}",
+                    store=store,
+                    partitions=info.partitions,
+                )
+                return False
+        return True
 
     def _apply_report(self, node_id: str, body: NodeReport, at_ms: int, at: int) -> None:
         """A node's hosting and reports from its body as of `at_ms` (its `report_at:<id>`),
@@ -480,7 +532,7 @@ class TableWatcher:
         reports = {
             where: partition_report
             for where, partition_report in body.partition_reports(
-                self._positions.get(node_id, {}), at_ms
+                self._ends.get(node_id, {}), at_ms
             ).items()
             if not self._from_the_future(node_id, partition_report, at)
         }
@@ -526,7 +578,7 @@ class TableWatcher:
                 self._infos.pop(node_id, None)
             else:
                 self._infos[node_id] = None
-            self._positions.pop(node_id, None)
+            self._ends.pop(node_id, None)
             return
         hosting: Hosting | None = self._decoded(decode_hosting, raw_hosting, f"hosting:{node_id}")
         reports: dict[tuple[str, int], PartitionReport] = {}
@@ -539,7 +591,9 @@ class TableWatcher:
                 reports[(store, int(partition))] = report
         self._table.set_node(node_id, info, hosting, reports)
         self._infos[node_id] = info
-        self._positions[node_id] = {where: r.current_offset for where, r in reports.items()}
+        self._ends[node_id] = {
+            where: r.end_offset for where, r in reports.items() if r.end_offset is not None
+        }
 
     async def _publish(self) -> None:
         """Recompute what changed (yielding between steps) and swap the new snapshot in."""

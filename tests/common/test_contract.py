@@ -157,18 +157,18 @@ def test_a_node_report_is_compact_and_aligned_with_its_partitions():
     }
 
 
-def test_a_node_report_gives_back_the_hosting_and_the_lags_around_known_positions():
+def test_a_node_report_gives_back_the_hosting_and_the_lags_around_known_ends():
     decoded = decode_node_report(encode_node_report(node_report(HOSTING, REPORTS, version=7)))
     assert decoded.version == 7
     assert decoded.hosting(AT) == HOSTING
-    positions = {("s", 0): 500, ("s", 5): 90}  # 5's position is older
-    rebuilt = decoded.partition_reports(positions, AT)
+    ends = {("s", 0): 500, ("s", 5): 130}  # 5's end is older: its position end - lag, lower
+    rebuilt = decoded.partition_reports(ends, AT)
     assert rebuilt[("s", 0)] == REPORTS[("s", 0)]
     assert rebuilt[("s", 5)] == PartitionReport(90, 130, None, None, AT)  # lag 40 exact
     assert ("s", 2) not in rebuilt
-    assert decoded.partition_reports({}, AT)[("s", 0)].current_offset == 0  # no position: 0
+    assert decoded.partition_reports({}, AT)[("s", 0)].current_offset == 0  # no end: 0
     # Confirmed later, the same body: every time moves with the confirmation.
-    later = decoded.partition_reports(positions, AT + 250)[("s", 0)]
+    later = decoded.partition_reports(ends, AT + 250)[("s", 0)]
     assert later == PartitionReport(500, 500, AT + 240, AT + 245, AT + 250)
 
 

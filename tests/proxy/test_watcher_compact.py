@@ -207,8 +207,8 @@ def test_the_sweep_builds_from_report_the_table_the_legacy_keys_give(
     async def scenario(watcher: TableWatcher) -> None:
         whole, full = whole_reads(watcher), watcher.stats.full_reads
         at = int(time.time() * 1000)
-        for node_id in NODES:  # new lags and times, the same positions
-            write_node(client, keys, node_id, at, lag=5)
+        for node_id in NODES:  # new lags and times, the same ends (positions end - lag)
+            write_node(client, keys, node_id, at, lag=5, moved=-5)
         legacy = legacy_rows(client, keys)
         await until(
             lambda: watcher.snapshot.stores["s"].replicas == legacy,
@@ -232,8 +232,8 @@ def test_positions_come_from_the_node_read_and_lags_from_the_report(
         assert before == 1_000
         write_node(client, keys, "n0", int(time.time() * 1000), lag=3, moved=50)
         await until(lambda: lag_of(watcher, 0, "n0") == 3, "the lag never reached the table")
-        # A position only grows: the last one read is a lower bound, kept until a node read.
-        assert position_of(watcher, 0, "n0") == before
+        # The end read (1,000) less the lag: a lower bound of 1,050, until a node read.
+        assert position_of(watcher, 0, "n0") == before - 3
         client.publish(keys.events, encode(Event("hosting", node_id="n0")))
         await until(lambda: position_of(watcher, 0, "n0") == 1_050, "no node read on the event")
         assert lag_of(watcher, 0, "n0") == 3
