@@ -93,6 +93,13 @@ def _times(r: PartitionReport) -> tuple[int | None, int | None, int]:
     return r.newest_record_ms, r.caught_up_at_ms, r.updated_at_ms
 
 
+def compact_cluster(client: redis.Redis) -> Keys:
+    """A fresh cluster in Redis whose every node writes the compact report."""
+    keys = Keys(f"compact-{uuid.uuid4().hex[:8]}")
+    publish(client, keys, int(time.time() * 1000), compact=dict.fromkeys(NODES, True))
+    return keys
+
+
 def publish(client: redis.Redis, keys: Keys, at: int, *, compact: Mapping[str, bool]) -> None:
     placed = round_robin(PARTITIONS, list(NODES), 1)
     client.sadd(keys.stores, "s")
@@ -201,8 +208,7 @@ def client(redis_server) -> redis.Redis:  # type: ignore[no-untyped-def]
 def test_the_sweep_builds_from_report_the_table_the_legacy_keys_give(
     redis_server, client, rare_node_reads
 ):
-    keys = Keys(f"compact-{uuid.uuid4().hex[:8]}")
-    publish(client, keys, int(time.time() * 1000), compact=dict.fromkeys(NODES, True))
+    keys = compact_cluster(client)
 
     async def scenario(watcher: TableWatcher) -> None:
         whole, full = whole_reads(watcher), watcher.stats.full_reads
@@ -224,8 +230,7 @@ def test_the_sweep_builds_from_report_the_table_the_legacy_keys_give(
 def test_positions_come_from_the_node_read_and_lags_from_the_report(
     redis_server, client, rare_node_reads
 ):
-    keys = Keys(f"compact-{uuid.uuid4().hex[:8]}")
-    publish(client, keys, int(time.time() * 1000), compact=dict.fromkeys(NODES, True))
+    keys = compact_cluster(client)
 
     async def scenario(watcher: TableWatcher) -> None:
         before = position_of(watcher, 0, "n0")
@@ -276,8 +281,7 @@ def _hostile(body: dict, how: str) -> bytes:  # type: ignore[type-arg]
 def test_a_hostile_report_is_skipped_and_the_legacy_keys_read(
     redis_server, client, rare_node_reads, how
 ):
-    keys = Keys(f"compact-{uuid.uuid4().hex[:8]}")
-    publish(client, keys, int(time.time() * 1000), compact=dict.fromkeys(NODES, True))
+    keys = compact_cluster(client)
 
     async def scenario(watcher: TableWatcher) -> None:
         write_node(client, keys, "n0", int(time.time() * 1000), lag=11)
@@ -293,8 +297,7 @@ def test_a_hostile_report_is_skipped_and_the_legacy_keys_read(
 
 
 def test_a_report_from_the_future_is_no_report(redis_server, client, rare_node_reads):
-    keys = Keys(f"compact-{uuid.uuid4().hex[:8]}")
-    publish(client, keys, int(time.time() * 1000), compact=dict.fromkeys(NODES, True))
+    keys = compact_cluster(client)
 
     async def scenario(watcher: TableWatcher) -> None:
         assert lag_of(watcher, 0, "n0") == 0
@@ -339,8 +342,7 @@ class BodyReads:
 def test_an_unchanged_body_is_not_read_again_and_its_times_advance(
     redis_server, client, rare_node_reads
 ):
-    keys = Keys(f"compact-{uuid.uuid4().hex[:8]}")
-    publish(client, keys, int(time.time() * 1000), compact=dict.fromkeys(NODES, True))
+    keys = compact_cluster(client)
 
     async def scenario(watcher: TableWatcher) -> None:
         await bodies_known(watcher)
@@ -363,8 +365,7 @@ def test_an_unchanged_body_is_not_read_again_and_its_times_advance(
 
 
 def test_a_changed_body_is_read(redis_server, client, rare_node_reads):
-    keys = Keys(f"compact-{uuid.uuid4().hex[:8]}")
-    publish(client, keys, int(time.time() * 1000), compact=dict.fromkeys(NODES, True))
+    keys = compact_cluster(client)
 
     async def scenario(watcher: TableWatcher) -> None:
         await bodies_known(watcher)
@@ -383,8 +384,7 @@ def test_a_changed_body_is_read(redis_server, client, rare_node_reads):
 def test_a_body_report_at_does_not_name_is_not_applied_until_it_does(
     redis_server, client, rare_node_reads
 ):
-    keys = Keys(f"compact-{uuid.uuid4().hex[:8]}")
-    publish(client, keys, int(time.time() * 1000), compact=dict.fromkeys(NODES, True))
+    keys = compact_cluster(client)
 
     async def scenario(watcher: TableWatcher) -> None:
         reads = BodyReads(watcher, keys)
@@ -411,8 +411,7 @@ def test_a_body_report_at_does_not_name_is_not_applied_until_it_does(
 def test_without_a_usable_report_at_the_legacy_keys_are_read(
     redis_server, client, rare_node_reads, how
 ):
-    keys = Keys(f"compact-{uuid.uuid4().hex[:8]}")
-    publish(client, keys, int(time.time() * 1000), compact=dict.fromkeys(NODES, True))
+    keys = compact_cluster(client)
 
     async def scenario(watcher: TableWatcher) -> None:
         whole = whole_reads(watcher)
@@ -434,8 +433,7 @@ def test_without_a_usable_report_at_the_legacy_keys_are_read(
 
 
 def test_a_report_at_from_the_future_is_no_report(redis_server, client, rare_node_reads):
-    keys = Keys(f"compact-{uuid.uuid4().hex[:8]}")
-    publish(client, keys, int(time.time() * 1000), compact=dict.fromkeys(NODES, True))
+    keys = compact_cluster(client)
 
     async def scenario(watcher: TableWatcher) -> None:
         await bodies_known(watcher)
