@@ -39,6 +39,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -54,6 +55,7 @@ from typing import Any
 import httpx
 import redis
 
+from benchmarks.loadgen import SteadyLoad, cycle_requests, failures_by_status, latency_figures
 from benchmarks.proxy_bench import _nginx_conf, cpu_seconds
 from benchmarks.results_file import git_revision, machine_notes, write_json, write_section
 from benchmarks.wrk import KEYED_SCRIPT, parse_wrk
@@ -79,6 +81,7 @@ from partitioner import KeyPartitioner
 from proxy.routing import build_snapshot
 
 DEFAULT_SIZES = "20/240,100/2000,300/6000,1000/20000"
+STATS_LINE_S = 2.0  # the watcher's stats line period: a line covers the 2 s before it
 STORE = "s"
 REPORT_MS = 250
 ALIVE_TTL_MS = 2_000
@@ -508,6 +511,7 @@ def measure_size(
         try:
             time.sleep(args.warmup_seconds)
             figures = measure_window(proxy, writers, client, redis_port, size, args)
+            figures["steady"] = measure_steady(proxy, args)
         finally:
             proxy.process.stop()
             proxy.close()
@@ -580,6 +584,7 @@ def measure_window(
         "choices_forgotten_per_s": round(delta("changed_partitions") / span),
         "choices_kept_per_s": round(delta("renewed_partitions") / span),
         "loop_stall_max_ms": round(max((line["max_loop_lag_ms"] for line in lines), default=0), 2),
+        "loop_stall_busy_max_ms": _max_of(lines, "max_loop_lag_busy_ms"),
         "table_hold_max_ms": round(max((line["max_hold_ms"] for line in lines), default=0), 2),
         "snapshot_swap_max_ms": round(max((line["max_swap_ms"] for line in lines), default=0), 2),
         "proxy_cpu_percent": round(cpu_used / elapsed * 100, 1),
@@ -602,6 +607,57 @@ def measure_window(
             "max": delays[-1] if delays else None,
         },
     }
+
+
+def measure_steady(proxy: ProxyHandle, args: argparse.Namespace) -> dict[str, Any]:
+    """The same offered load at every size (`--steady-rate` requests/s, paced, latency timed
+    from when each request was due): what "p99 under the same load" and "no stall" mean. wrk's
+    window drives the proxy flat out, where a size's p99 mostly says how much CPU the simulated
+    nodes' writers (on the same two cores) left it. The load runs in its own process."""
+    pid = proxy.process.pid
+    started = time.time()
+    cpu_before = cpu_seconds(pid)
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(1) as pool:
+        load = pool.apply(
+            steady_load, (proxy.url, args.steady_rate, args.seconds, args.steady_connections)
+        )
+    elapsed = time.time() - started
+    cpu_used = cpu_seconds(pid) - cpu_before
+    time.sleep(2.5)  # the watcher's last line for the window
+    lines = watcher_lines(proxy.process.log_path, started + STATS_LINE_S, time.time())
+    return {
+        **load,
+        "loop_stall_max_ms": _max_of(lines, "max_loop_lag_ms"),
+        # Of the longest stalls, at most this much was the proxy's own CPU time.
+        "loop_stall_busy_max_ms": _max_of(lines, "max_loop_lag_busy_ms"),
+        "table_hold_max_ms": _max_of(lines, "max_hold_ms"),
+        "proxy_cpu_percent": round(cpu_used / elapsed * 100, 1),
+    }
+
+
+def steady_load(url: str, rate: int, seconds: int, connections: int) -> dict[str, Any]:
+    """Keyed GETs over every partition at `rate`/s for `seconds` (run in a child process)."""
+    host_port = url.removeprefix("http://").rstrip("/")
+    host, _, port = host_port.rpartition(":")
+    rng = random.Random(22)
+    paths = [f"/stores/{STORE}/keys/customer-{rng.randrange(KEYS)}" for _ in range(5_000)]
+    load = SteadyLoad(
+        host, int(port), cycle_requests(paths), rate=rate, connections=connections, timeout_s=10
+    ).start()
+    time.sleep(seconds)
+    outcomes = load.stop()
+    latencies = [o.latency_ms for o in outcomes if o.status == 200]
+    return {
+        "rate": rate,
+        "requests": len(outcomes),
+        **latency_figures(latencies),
+        "failed": failures_by_status(outcomes),
+    }
+
+
+def _max_of(lines: list[dict[str, Any]], name: str) -> float:
+    return round(max((float(line.get(name, 0)) for line in lines), default=0.0), 2)
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -649,9 +705,36 @@ def markdown(data: dict[str, Any]) -> str:
             "|---|" + "---:|" * 18,
             *rows,
             "",
+            *steady_markdown(data),
             data["projection"],
         ]
     )
+
+
+def steady_markdown(data: dict[str, Any]) -> list[str]:
+    """The same-load window's table (absent from runs before it existed)."""
+    steady = {name: f["steady"] for name, f in data["sizes"].items() if "steady" in f}
+    if not steady:
+        return []
+    rate = next(iter(steady.values()))["rate"]
+    rows = [
+        f"| {name} | {f['p50_ms']} | {f['p99_ms']} | {f['max_ms']} | {f['requests']:,} "
+        f"| {sum(f['failed'].values()):,} | {f['loop_stall_max_ms']} "
+        f"| {f['loop_stall_busy_max_ms']} | {f['table_hold_max_ms']} | {f['proxy_cpu_percent']} |"
+        for name, f in steady.items()
+    ]
+    return [
+        f"The same load at every size: {rate:,} keyed GETs a second, paced, each timed from when "
+        "it was due (so a stall shows in every request it delays), from a separate process; "
+        'after the wrk window. A stall\'s "proxy CPU at most" is the CPU time the proxy '
+        "process used while its loop was late: the rest of the stall it was waiting for a core.",
+        "",
+        "| nodes/partitions | p50 ms | p99 ms | max ms | requests | failed | loop stall max ms "
+        "| of it proxy CPU at most ms | table hold max ms | proxy CPU % |",
+        "|---|" + "---:|" * 9,
+        *rows,
+        "",
+    ]
 
 
 def projection(sizes: dict[str, Any]) -> str:
@@ -687,6 +770,10 @@ def main() -> int:
     parser.add_argument("--warmup-seconds", type=float, default=5)
     parser.add_argument("--quiet-seconds", type=float, default=3, help="writers alone")
     parser.add_argument("--connections", type=int, default=50)
+    parser.add_argument(
+        "--steady-rate", type=int, default=2_000, help="requests/s of the same-load window"
+    )
+    parser.add_argument("--steady-connections", type=int, default=16)
     parser.add_argument("--standbys", type=int, default=1, choices=(1, 2))
     parser.add_argument("--writers", type=int, default=2, help="writer processes")
     parser.add_argument(

@@ -35,7 +35,7 @@ from proxy.health import Ejections
 from proxy.http import BODY_HEADERS, DROP_FROM_REQUEST, DROP_FROM_RESPONSE, status_lines
 from proxy.lag_metrics import ReplicaLagCollector
 from proxy.listener import Limits, Listener
-from proxy.metrics import MetricsCollector, ProxyMetrics
+from proxy.metrics import MetricsCollector, ProxyMetrics, ReplicaChoicesCollector
 from proxy.outliers import Outliers
 from proxy.retry_budget import RetryBudget
 from proxy.routes import RouteTable
@@ -170,11 +170,13 @@ class Proxy:
         self.registry.register(
             MetricsCollector(self.metrics, self._gauges, self.hub.stats, self._counts)
         )
-        # The replicas' lag gauges grow with the table (435 ms and 4.7 MB of text for 12,000
-        # replicas): they are rendered in a thread, from the immutable snapshot, so a scrape
-        # does not stop the event loop for that long (see _metrics_view).
-        self.lag_registry = CollectorRegistry(auto_describe=True)
-        self.lag_registry.register(ReplicaLagCollector(lambda: self.watcher.snapshot, now_ms))
+        # The series that grow with the table are rendered in a thread (see _metrics_view),
+        # so a scrape does not stop the event loop for as long as they take: the replicas' lag
+        # gauges (435 ms and 4.7 MB of text for 12,000 replicas), from the immutable snapshot,
+        # and the per-replica request counters.
+        self.table_registry = CollectorRegistry(auto_describe=True)
+        self.table_registry.register(ReplicaLagCollector(lambda: self.watcher.snapshot, now_ms))
+        self.table_registry.register(ReplicaChoicesCollector(self.metrics))
 
     def stop(self) -> None:
         self._stop.set()
@@ -209,12 +211,11 @@ class Proxy:
 
     async def _metrics_view(self) -> bytes:
         """The request path's metrics, rendered on the loop (they read state only the loop
-        changes; a few hundred series), then the lag gauges, rendered in a thread: they read
-        only the swapped-in snapshot, which nothing changes. One exposition, two registries:
-        their metric names differ."""
+        changes; a series per node at most), then the series per replica, rendered in a thread
+        (`table_registry`). One exposition, two registries: their metric names differ."""
         own = generate_latest(self.registry)
-        lags = await asyncio.to_thread(generate_latest, self.lag_registry)
-        return own + lags
+        per_replica = await asyncio.to_thread(generate_latest, self.table_registry)
+        return own + per_replica
 
     async def _status_view(self) -> dict[str, Any]:
         """Inputs gathered on the loop; the walk over every partition in a thread."""

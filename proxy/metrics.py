@@ -132,15 +132,6 @@ class MetricsCollector(Collector):
             sum_value=m.latency_sum_s + hot["latency_sum_s"],
         )
 
-        choices = CounterMetricFamily(
-            "kroute_proxy_replica_choices",
-            "Keyed requests sent, by store, partition, node and role",
-            labels=["store", "partition", "node", "role"],
-        )
-        for (store, partition, node, role), tally in sorted(m.choices.items()):
-            choices.add_metric([store, str(partition), node, role], tally.value)
-        yield choices
-
         per_node = CounterMetricFamily(
             "kroute_proxy_node_requests", "Attempts sent to each node", labels=["node"]
         )
@@ -237,6 +228,36 @@ class MetricsCollector(Collector):
 SUMMED_TYPES = frozenset({"counter", "histogram"})
 WORKER_LABEL = "worker"
 _SampleKey = tuple[str, tuple[tuple[str, str], ...]]  # (sample name, sorted labels)
+
+
+def _choices_family() -> CounterMetricFamily:
+    return CounterMetricFamily(
+        "kroute_proxy_replica_choices",
+        "Keyed requests sent, by store, partition, node and role",
+        labels=["store", "partition", "node", "role"],
+    )
+
+
+class ReplicaChoicesCollector(Collector):
+    """Keyed requests sent to each replica: a series per (store, partition, node, role) the
+    proxy ever sent to, so it grows with the table (12,000 series at 6,000 partitions with a
+    standby each, 40-150 ms to render). Made to be rendered in a thread: it copies the
+    counters' dict in one C call (atomic under the GIL, while the loop may add a key; about
+    0.3 ms at 12,000), and a counter's value is one integer the C path increments under the
+    GIL."""
+
+    def __init__(self, metrics: ProxyMetrics) -> None:
+        self._metrics = metrics
+
+    def describe(self) -> Iterator[Metric]:
+        yield _choices_family()  # the name only, for the registry's duplicate check
+
+    def collect(self) -> Iterator[Metric]:
+        choices = _choices_family()
+        # Unsorted: a C sort of 12,000 keys would hold the GIL (the loop) for milliseconds.
+        for (store, partition, node, role), tally in list(self._metrics.choices.items()):
+            choices.add_metric([store, str(partition), node, role], tally.value)
+        yield choices
 
 
 @dataclass(frozen=True)
