@@ -304,8 +304,10 @@ def decode_assignment(raw: bytes | str) -> Assignment:
 # -- the compact per-node report ---------------------------------------------------------------
 
 # One replica's lag in a NodeReport: [lag, at_ms - caught_up_at_ms, at_ms - newest_record_ms]
-# (the two "ago" values None when unknown, at_ms the time `report_at:<id>` gives); None for a
-# partition without a report.
+# (the "ago" values None when unknown, at_ms the time `report_at:<id>` gives); None for a
+# partition without a report. Writers (`node_report`) always write the third as None: the
+# newest record's age moves on every report while no reader routes by it (`lag:<id>` keeps
+# newest_record_ms); readers still accept a number there.
 LagEntry = tuple[int | None, int | None, int | None]
 _NODE_REPORT_FIELDS = frozenset({"v", "node_id", "generation", "version", "stores"})
 _STORE_FIELDS = frozenset({"active", "standby", "lag"})
@@ -383,17 +385,19 @@ def report_time(hosting: Hosting, reports: Mapping[tuple[str, int], PartitionRep
 def node_report(
     hosting: Hosting, reports: Mapping[tuple[str, int], PartitionReport], version: int = 0
 ) -> NodeReport:
-    """The NodeReport of a hosting and its reports, ages counted back from `report_time`."""
+    """The NodeReport of a hosting and its reports, ages counted back from `report_time`.
+
+    Only what stays the same on an idle, caught-up node whose reports are stamped with their
+    end offset's read (its caught-up age is then 0): the lag and the caught-up age. Not the
+    newest record's age: on an idle partition that record is fixed while the report time
+    moves, so the body, and every proxy's read of it, would change on every report."""
     at = report_time(hosting, reports)
 
     def entry(report: PartitionReport | None) -> LagEntry | None:
         if report is None:
             return None
-        return (
-            report.lag,
-            None if report.caught_up_at_ms is None else at - report.caught_up_at_ms,
-            None if report.newest_record_ms is None else at - report.newest_record_ms,
-        )
+        caught_up = report.caught_up_at_ms
+        return (report.lag, None if caught_up is None else at - caught_up, None)
 
     lags = {
         store: tuple(

@@ -96,9 +96,24 @@ class EndHistory:
             if position >= end:
                 self.caught_up_at_ms = max(self.caught_up_at_ms or 0, asked_at)
                 break
-        if not self.recent or at_ms - self.recent[-1][1] > END_OFFSET_MAX_AGE_MS:
+        if self.end_asked_at(at_ms) is None:
             return None, self.caught_up_at_ms
         return self.recent[-1][0], self.caught_up_at_ms
+
+    def end_asked_at(self, at_ms: int) -> int | None:
+        """When the end offset `report` gives at `at_ms` was asked for; None when it gives
+        none (never read, or read too long ago)."""
+        if not self.recent or at_ms - self.recent[-1][1] > END_OFFSET_MAX_AGE_MS:
+            return None
+        return self.recent[-1][1]
+
+    def as_of(self, at_ms: int) -> int:
+        """The time a report made at `at_ms` holds as of (its `updated_at_ms`): when its end
+        offset was asked for, else `at_ms`. Never later than true, and equal to a caught-up
+        replica's `caught_up_at_ms`, so its ages in `report:<id>` stay the same from one
+        report to the next (docs/redis-contract.md, "The compact report")."""
+        asked_at = self.end_asked_at(at_ms)
+        return at_ms if asked_at is None else asked_at
 
 
 def merged_assignment(
@@ -344,7 +359,10 @@ class Agent:
             if partition not in known:
                 continue  # no position yet (resetting): no report, so lag is unknown
             position = known[partition]
-            end, caught_up_at = self._ends.setdefault(partition, EndHistory()).report(position, at)
+            history = self._ends.setdefault(partition, EndHistory())
+            end, caught_up_at = history.report(position, at)
+            # Both mapped alike: never fresher than true after a clock step, and equal when
+            # they were.
             report = PartitionReport(
                 current_offset=position,
                 end_offset=end,
@@ -352,7 +370,7 @@ class Agent:
                 caught_up_at_ms=None
                 if caught_up_at is None
                 else self.clock.conservative_ms(caught_up_at),
-                updated_at_ms=at,
+                updated_at_ms=self.clock.conservative_ms(history.as_of(at)),
             )
             reports[partition] = report
         return reports

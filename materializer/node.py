@@ -27,7 +27,7 @@ from common.java import JavaRuntime
 from materializer.cluster import ClusterMember, ClusterTiming
 from materializer.forwarding import Forwarder, answer_limit
 from materializer.hosting import HostedPartitions
-from materializer.lag import LagTracker
+from materializer.lag import LagTracker, PartitionLag
 from materializer.pipeline import Pipeline, QueryPlan, Stall, create_spark_session, find_stalls
 from materializer.server import NodeApp, NodeState
 from materializer.settings import NodeSettings
@@ -484,14 +484,27 @@ class Node:
         at = now_ms()
         stalled = self.stalls()
         return {
-            partition: PartitionReport(
-                current_offset=lag.current_offset,
-                end_offset=lag.known_end(at),  # unknown once the broker is not being read
-                newest_record_ms=lag.newest_record_ms,
-                caught_up_at_ms=None
-                if partition in stalled or lag.outside_log
-                else lag.caught_up_at_ms,
-                updated_at_ms=at,
-            )
+            partition: _report_of(lag, at, stalled=partition in stalled)
             for partition, lag in self.state.lag.snapshot.items()
         }
+
+
+def _report_of(lag: PartitionLag, at_ms: int, *, stalled: bool) -> PartitionReport:
+    """One partition's report at `at_ms`, stamped as of the end offset read its lag is
+    measured against (the report's own time when no end is known): that is when its figures
+    were true, never later than now, so it can only read older than it is. One read stamps
+    every partition alike, and a caught-up partition's `caught_up_at_ms` is that same read's
+    time: on an idle node every age in `report:<id>` stays the same from one report to the
+    next, and so does the body (docs/redis-contract.md, "The compact report")."""
+    end = lag.known_end(at_ms)  # unknown once the broker is not being read
+    read_at = lag.end_offset_at_ms
+    # A read stamped before the clock stepped back reads too late: mapped, as caught-up times
+    # are (ClusterMember._conservative), so the two stay equal when they were.
+    as_of = at_ms if end is None or read_at is None else SHARED.conservative_ms(read_at)
+    return PartitionReport(
+        current_offset=lag.current_offset,
+        end_offset=end,
+        newest_record_ms=lag.newest_record_ms,
+        caught_up_at_ms=None if stalled or lag.outside_log else lag.caught_up_at_ms,
+        updated_at_ms=as_of,
+    )

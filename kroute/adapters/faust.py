@@ -279,7 +279,8 @@ class LagBook:
     def observe(
         self, committed: Mapping[int, int], ends: Mapping[int, int], asked_at_ms: int, at_ms: int
     ) -> None:
-        """One reading of the group's commits and the high watermarks (asked at `asked_at_ms`)."""
+        """One reading of the group's commits and the high watermarks (asked at `asked_at_ms`,
+        answered by `at_ms`); its reports hold as of `asked_at_ms`."""
         for p, end in ends.items():
             state = self.partitions.setdefault(p, _PartitionLag())
             current = committed.get(p, 0)
@@ -291,7 +292,11 @@ class LagBook:
             # this is never later than the truth.
             _, reached_at = state.ends.report(current, asked_at_ms)
             caught_up = None if reached_at is None else SHARED.conservative_ms(reached_at)
-            state.report = PartitionReport(current, end, None, caught_up, at_ms)
+            # As of the end read, not `at_ms` when the reading finished: when the figures were
+            # true, and a caught-up partition's ages in report:<id> stay the same from one
+            # reading to the next (EndHistory.as_of).
+            as_of = SHARED.conservative_ms(asked_at_ms)
+            state.report = PartitionReport(current, end, None, caught_up, as_of)
 
     @staticmethod
     def _owner_consumes(state: _PartitionLag, current: int, asked_at_ms: int) -> bool:

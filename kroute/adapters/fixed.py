@@ -497,7 +497,10 @@ class FixedPlacement:
             end, caught_up_at = history.report(position, at)
             if caught_up_at is not None:  # never fresher than true after a clock step
                 caught_up_at = self.clock.conservative_ms(caught_up_at)
-            reports[(store, partition)] = PartitionReport(position, end, None, caught_up_at, at)
+            # As of the end read (EndHistory.as_of): a caught-up replica's ages in
+            # report:<id> then stay the same from one round to the next.
+            as_of = self.clock.conservative_ms(history.as_of(at))
+            reports[(store, partition)] = PartitionReport(position, end, None, caught_up_at, as_of)
         return reports
 
     def _still_hosted(self, hosting: Hosting) -> dict[tuple[str, int], PartitionReport]:

@@ -20,6 +20,7 @@ from common.contract import (
     Hosting,
     Keys,
     NodeInfo,
+    NodeReport,
     PartitionAssignment,
     PartitionReport,
     ReportBodies,
@@ -152,9 +153,34 @@ def test_a_node_report_is_compact_and_aligned_with_its_partitions():
         "generation": 3,
         "version": AT - 60_000,
         "stores": {
-            "s": {"active": [0, 5], "standby": [2], "lag": [[0, 5, 10], [40, None, None], None]}
+            # The newest record's age is left out (null): it moves on every report.
+            "s": {"active": [0, 5], "standby": [2], "lag": [[0, 5, None], [40, None, None], None]}
         },
     }
+
+
+def _idle_node_report(end_read_at: int, reported_at: int) -> NodeReport:
+    """An idle, caught-up node's report: stamped as of its last end-offset read, caught up at
+    that read, its newest record written long ago, made `reported_at` (after the read)."""
+    hosting = Hosting("n1", 3, {"s": {"active": (0, 5), "standby": (2,)}}, reported_at)
+    reports = {
+        ("s", p): PartitionReport(500 + p, 500 + p, AT - 60_000, end_read_at, end_read_at)
+        for p in (0, 5, 2)
+    }
+    return node_report(hosting, reports)
+
+
+def test_an_idle_caught_up_node_reports_the_same_body_whatever_the_reads_phase():
+    """What makes report:<id> written (and read by every proxy) only when something changes:
+    two reports, 250 ms apart, each made a different while after its end-offset read."""
+    first = _idle_node_report(end_read_at=AT, reported_at=AT + 37)
+    second = _idle_node_report(end_read_at=AT + 250, reported_at=AT + 250 + 181)
+    assert encode_node_report(first) == encode_node_report(second)  # both version 0
+    assert first.lags == {"s": ((0, 0, None), (0, 0, None), (0, 0, None))}
+    # As of the read: report_at:<id> says when the figures were true, not when sent.
+    hosting = first.hosting(AT + 37)
+    reports = {("s", p): PartitionReport(500, 500, None, AT, AT) for p in (0, 5, 2)}
+    assert report_time(hosting, reports) == AT
 
 
 def test_a_node_report_gives_back_the_hosting_and_the_lags_around_known_ends():
@@ -163,13 +189,13 @@ def test_a_node_report_gives_back_the_hosting_and_the_lags_around_known_ends():
     assert decoded.hosting(AT) == HOSTING
     ends = {("s", 0): 500, ("s", 5): 130}  # 5's end is older: its position end - lag, lower
     rebuilt = decoded.partition_reports(ends, AT)
-    assert rebuilt[("s", 0)] == REPORTS[("s", 0)]
+    assert rebuilt[("s", 0)] == PartitionReport(500, 500, None, AT - 5, AT)  # no newest
     assert rebuilt[("s", 5)] == PartitionReport(90, 130, None, None, AT)  # lag 40 exact
     assert ("s", 2) not in rebuilt
     assert decoded.partition_reports({}, AT)[("s", 0)].current_offset == 0  # no end: 0
     # Confirmed later, the same body: every time moves with the confirmation.
     later = decoded.partition_reports(ends, AT + 250)[("s", 0)]
-    assert later == PartitionReport(500, 500, AT + 240, AT + 245, AT + 250)
+    assert later == PartitionReport(500, 500, None, AT + 245, AT + 250)
 
 
 def test_a_node_report_is_never_younger_than_its_oldest_report():
@@ -273,7 +299,7 @@ def test_the_writer_writes_the_body_only_when_it_changes_and_always_report_at(cl
     _write(client, keys, bodies, AT + 500, lag=3)  # changed: a new version, body and stamp
     body = decode_node_report(client.get(keys.report("n1")) or b"")
     assert body.version == AT + 500
-    assert body.lags == {"s": ((3, 5, 10),)}
+    assert body.lags == {"s": ((3, 5, None),)}
     assert _stamp(client, keys) == (AT + 500, AT + 500)
 
 
