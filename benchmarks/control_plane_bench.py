@@ -7,10 +7,11 @@ Per size N nodes / P partitions (one standby per partition unless `--standbys 2`
   PEXPIRE, then SET report:<id> only when its body changed, with a new version, else PEXPIRE
   it, and SET report_at:<id> always), as kroute nodes do (`write_node_report`), and heartbeats
   (`node:<id>`, `nodes`, `store:<name>`, `stores`, `alive:<id>` with a 2 s TTL). Every
-  partition takes 100 records a second and every replica keeps up (lag 0, caught up at the
-  time it reports), so every lag report differs from the last, as under steady writes, while
-  the compact body (lags and ages relative to the report) stays the same: only the probe
-  node's changes;
+  partition takes 100 records a second and every replica keeps up (lag 0, caught up as of
+  the end-offset read its report is stamped with, as kroute's writers stamp them), so every
+  lag report differs from the last, as under steady writes, while the compact body (lags and
+  ages relative to the report) stays the same: only the probe node's changes (`--ages-move`:
+  ages move, as for a writer stamping reports with their own time);
 - one real proxy (`python -m proxy`) reads it and serves wrk's keyed GETs (random keys over
   every partition) forwarded to three nginx backends answering a fixed small JSON;
 - propagation: the writer of the node active for partition 0 reports a lag of 1,000 for it
@@ -166,15 +167,17 @@ def _queue_compact(
 
 
 def _caught_up_ago(plan: WriterPlan, at: int) -> int:
-    """How long before the report every replica was caught up: 5 ms, or with `ages_move` the
-    time since the last end-offset read on a 200 ms cycle (as a real node's moves)."""
-    return 5 + at % 200 if plan.ages_move else 5
+    """How long before the report's time every replica was caught up: 0, as kroute's writers
+    stamp a report as of the end-offset read its lag is measured against (a caught-up replica
+    reached that read); with `ages_move`, the time since the last end-offset read on a 200 ms
+    cycle, as a writer that stamps each report with its own time has it."""
+    return at % 200 if plan.ages_move else 0
 
 
-def _lags(count: int, probe_index: int | None, probe_entry: str, ago: int = 5) -> str:
-    """Every replica caught up `ago` ms before the report (lag 0, newest record at the
-    report), the probe partition's entry as given."""
-    entries = [f"[0,{ago},0]"] * count
+def _lags(count: int, probe_index: int | None, probe_entry: str, ago: int = 0) -> str:
+    """Every replica caught up `ago` ms before the report (lag 0; the newest record's age
+    null, as kroute's writers leave it), the probe partition's entry as given."""
+    entries = [f"[0,{ago},null]"] * count
     if probe_index is not None:
         entries[probe_index] = probe_entry
     return ",".join(entries)
@@ -234,7 +237,7 @@ def run_writer(
                 lags = _lags(
                     len(fields[node_id]),
                     probe_index[node_id],
-                    f"[{lag_now},{caught_up_ago},0]",
+                    f"[{lag_now},{caught_up_ago},null]",
                     ago,
                 )
                 _queue_compact(pipe, keys, node_id, hosted[node_id], at, lags, bodies)
@@ -779,7 +782,8 @@ def main() -> int:
     parser.add_argument(
         "--ages-move",
         action="store_true",
-        help="replicas' caught-up ages move between reports, as a real node's do",
+        help="replicas' caught-up ages move between reports, as they do for a writer that "
+        "stamps each report with its own time instead of its end-offset read's",
     )
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="kroute-control-plane-"))
