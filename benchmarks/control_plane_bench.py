@@ -408,13 +408,18 @@ class Propagation:
 
 
 def measure_propagation(
-    proxy: ProxyHandle, writers: Writers, nodes: list[str], partitions: int, stop: threading.Event
-) -> Propagation:
-    """Flip partition 0's active between lag 0 and PROBE_LAG; time each flip into routing."""
+    proxy: ProxyHandle,
+    writers: Writers,
+    nodes: list[str],
+    partitions: int,
+    stop: threading.Event,
+    result: Propagation,
+) -> None:
+    """Flip partition 0's active between lag 0 and PROBE_LAG; time each flip into routing
+    (into `result`, until `stop`)."""
     placed = round_robin(partitions, nodes, 1)[PROBE_PARTITION]
     active, standby = placed.active, placed.standbys[0]
     path = f"/stores/{STORE}/keys/{probe_key(partitions)}"
-    result = Propagation()
     lag = 0
     with httpx.Client(timeout=5, trust_env=False) as client:
         while not stop.wait(PROBE_EVERY_S):
@@ -437,7 +442,17 @@ def measure_propagation(
                 time.sleep(0.005)
             else:
                 result.missed += 1
-    return result
+
+
+def propagation_figures(propagation: Propagation) -> dict[str, Any]:
+    delays = sorted(propagation.delays_ms)
+    return {
+        "samples": len(delays),
+        "missed": propagation.missed,
+        "p50": percentile(delays, 0.5),
+        "p99": percentile(delays, 0.99),
+        "max": delays[-1] if delays else None,
+    }
 
 
 def full_read(client: redis.Redis, keys: Keys) -> dict[str, float]:
@@ -513,8 +528,24 @@ def measure_size(
         )  # fmt: skip
         try:
             time.sleep(args.warmup_seconds)
-            figures = measure_window(proxy, writers, client, redis_port, size, args)
-            figures["steady"] = measure_steady(proxy, args)
+            # Propagation is probed through both windows (flat out, then the same load), for
+            # a flip every 1.5 s: more samples than one window gives.
+            stop = threading.Event()
+            propagation = Propagation()
+            nodes = [f"node-{i:04d}" for i in range(size[0])]
+            prober = threading.Thread(
+                target=measure_propagation,
+                args=(proxy, writers, nodes, size[1], stop, propagation),
+                daemon=True,
+            )
+            prober.start()
+            try:
+                figures = measure_window(proxy, client, redis_port, args)
+                figures["steady"] = measure_steady(proxy, args)
+            finally:
+                stop.set()
+                prober.join(15)
+            figures["propagation_ms"] = propagation_figures(propagation)
         finally:
             proxy.process.stop()
             proxy.close()
@@ -541,31 +572,17 @@ def measure_size(
 
 def measure_window(
     proxy: ProxyHandle,
-    writers: Writers,
     client: redis.Redis,
     redis_port: int,
-    size: tuple[int, int],
     args: argparse.Namespace,
 ) -> dict[str, Any]:
     pid = proxy.process.pid
-    nodes = [f"node-{i:04d}" for i in range(size[0])]
-    stop = threading.Event()
-    propagation: list[Propagation] = []
-    prober = threading.Thread(
-        target=lambda: propagation.append(
-            measure_propagation(proxy, writers, nodes, size[1], stop)
-        ),
-        daemon=True,
-    )
     started = time.time()
     cpu_before, redis_before = cpu_seconds(pid), redis_totals(client)
     bytes_before = proxy_socket_bytes(pid, redis_port)
     hot_before = hot_path_requests(proxy)
-    prober.start()
     load = run_wrk(proxy.url, args.seconds, args.connections)
     hot = hot_path_requests(proxy) - hot_before
-    stop.set()
-    prober.join(15)
     elapsed = time.time() - started
     cpu_used = cpu_seconds(pid) - cpu_before
     redis_after = redis_totals(client)
@@ -580,7 +597,6 @@ def measure_window(
         return float(last.get(name, 0)) - float(first.get(name, 0))
 
     span = max(len(lines) - 1, 1) * 2.0
-    delays = sorted(propagation[0].delays_ms) if propagation else []
     return {
         "load": load,
         "c_path_share": round(hot / load["requests"], 3) if load.get("requests") else None,
@@ -601,13 +617,6 @@ def measure_window(
         "redis": {
             "cpu_percent": round((redis_after["cpu_s"] - redis_before["cpu_s"]) / elapsed * 100, 1),
             "commands_per_s": round((redis_after["commands"] - redis_before["commands"]) / elapsed),
-        },
-        "propagation_ms": {
-            "samples": len(delays),
-            "missed": propagation[0].missed if propagation else None,
-            "p50": percentile(delays, 0.5),
-            "p99": percentile(delays, 0.99),
-            "max": delays[-1] if delays else None,
         },
     }
 
