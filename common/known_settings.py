@@ -104,6 +104,7 @@ SETTINGS_VARIABLES: frozenset[str] = frozenset(
         "KROUTE_SPARK_MASTER",
         "KROUTE_SPARK_PACKAGES",
         "KROUTE_SPREAD",
+        "KROUTE_STALL_REPORT_MS",
         "KROUTE_STALL_TIMEOUT_MS",
         "KROUTE_STANDBYS",
         "KROUTE_STANDBY_READS",

@@ -373,34 +373,38 @@ def _renewed(
     cached: Cached, replicas: tuple[Replica, ...], partition: int, expires: int
 ) -> Cached | None:
     """`cached` with the same candidates, in the same order, made of the new `replicas`
-    (None, to be computed again, if one is missing: never expected of a renewed partition)."""
+    (None, to be computed again, if one is missing: never expected of a renewed partition).
+    Loops rather than generators: this runs for every cached choice on every sweep."""
     by_node = {replica.node_id: replica for replica in replicas}
-    if any(c.replica is None or c.replica.node_id not in by_node for c in cached.candidates):
-        return None
-    candidates = tuple(_renewed_candidate(c, by_node, partition) for c in cached.candidates)
+    candidates = []
+    for candidate in cached.candidates:
+        old = candidate.replica
+        new = None if old is None else by_node.get(old.node_id)
+        if old is None or new is None:
+            return None
+        candidates.append(_renewed_candidate(candidate, old, new, partition))
     choice = cached.choice
-    chosen = tuple(by_node[r.node_id] for r in choice.candidates)
+    chosen = tuple([by_node[r.node_id] for r in choice.candidates])
     return Cached(
         choice=Choice(chosen, choice.rejected, choice.spread_width),
-        candidates=candidates,
+        candidates=tuple(candidates),
         expires_ms=expires,
         spread_width=cached.spread_width,
     )
 
 
 def _renewed_candidate(
-    candidate: Candidate, by_node: Mapping[str, Replica], partition: int
+    candidate: Candidate, old: Replica, new: Replica, partition: int
 ) -> Candidate:
-    old = candidate.replica
-    assert old is not None  # keyed choices always name their replica
-    new = by_node[old.node_id]
+    """The candidate naming `new` instead of `old` (the same node): the same target, tallies
+    and idle connections; provenance lines made again only when what they say changed."""
     target = candidate.target
-    same_lines = (old.lag, old.role, old.caught_up_at_ms is None) == (
-        new.lag,
-        new.role,
-        new.caught_up_at_ms is None,
+    same_lines = (
+        old.lag == new.lag
+        and old.role == new.role
+        and (old.caught_up_at_ms is None) == (new.caught_up_at_ms is None)
     )
-    return Candidate(
+    return Candidate(  # by keyword, as docs/proxy-hotpath.md has it
         target=target,
         replica=new,
         provenance=candidate.provenance

@@ -166,6 +166,7 @@ class Proxy:
         self.watcher.on_snapshot = self.handler.use_snapshot
         self.watcher.keep_choices(self.handler.choice_stability.same, self.handler.renew_choices)
         self.watcher.freeze_heap = True
+        self.watcher.stall_report_ms = settings.stall_report_ms
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(
             MetricsCollector(self.metrics, self._gauges, self.hub.stats, self._counts)

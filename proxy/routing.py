@@ -16,6 +16,12 @@ Most updates change nothing a request would see: a report every 250 ms moves a r
 order, which refused and why) stays the same. A `ChoiceStability` tells those apart, and the
 builder leaves such partitions out of `RoutingSnapshot.changed`, so the request path keeps the
 choices it cached for them (the C path serving them) until they expire by time.
+
+At steady state most updates are less than that: a node confirms its unchanged report at a
+later time, which moves every time in its reports by the same amount and nothing else
+(`TableBuilder.shift_node`). The builder then rebuilds the rows it touches from the rows
+themselves, replacing only that node's replicas (the others are kept, the same objects, which
+`ChoiceStability.same` passes over), instead of from the assignment, hostings and reports.
 """
 
 from __future__ import annotations
@@ -197,13 +203,13 @@ class ChoiceStability:
     standby_reads: bool = True
 
     def same(self, old: Row, new: Row, now_ms: int) -> bool:
-        if old == new:
-            return True
+        # (Equal rows give True through the loop too; the builder never asks about them.)
         if len(old) != len(new):
             return False
         standbys = 0
         for before, after in zip(old, new, strict=True):
-            if not self._same_standing(before, after, now_ms):
+            # A replica the builder kept (another node's moved): treated as before, surely.
+            if before is not after and not self._same_standing(before, after, now_ms):
                 return False
             standbys += before.role == "standby"
         # One active and one standby: their order follows from their roles and whether each
@@ -213,11 +219,11 @@ class ChoiceStability:
     def _same_standing(self, before: Replica, after: Replica, now_ms: int) -> bool:
         """Whether `after` is treated as `before` is (refused alike, ordered by the same
         class) from now until the choice from `before` expires."""
-        if (before.node_id, before.url, before.role, before.alive) != (
-            after.node_id,
-            after.url,
-            after.role,
-            after.alive,
+        if (
+            before.node_id != after.node_id
+            or before.url != after.url
+            or before.role != after.role
+            or before.alive != after.alive
         ):
             return False
         if not before.alive or (not self.standby_reads and before.role == "standby"):
@@ -300,6 +306,31 @@ NodeReports = Mapping[tuple[str, int], PartitionReport]  # one node's: (store, p
 STEP_PARTITIONS = 32
 
 
+Where = tuple[str, int]  # (store, partition)
+
+
+def _same_partitions(before: Hosting, after: Hosting) -> bool:
+    """Whether two hostings say the node serves the same partitions in the same roles (all
+    a row takes from a hosting; its time does not matter)."""
+    return before.stores is after.stores or before.stores == after.stores
+
+
+def _with_fields(replica: Replica, fields: ReportFields) -> Replica:
+    """The replica with its report's fields replaced (what `_replicas` would build)."""
+    lag, caught_up_at_ms, reported_at_ms, position = fields
+    # Built directly: dataclasses.replace inspects the fields on every call (~3x the cost).
+    return Replica(
+        replica.node_id,
+        replica.url,
+        replica.role,
+        replica.alive,
+        lag,
+        caught_up_at_ms,
+        reported_at_ms,
+        position,
+    )
+
+
 def _url_of(info: NodeInfo | None) -> str | None:
     return None if info is None else info.url
 
@@ -330,6 +361,10 @@ class TableBuilder:
         self._made: dict[tuple[str, str, int], KeyPartitioner] = {}
         self._placed_on: dict[str, set[tuple[str, int]]] = {}  # node -> where it is placed
         self._touched: set[tuple[str, int]] = set()
+        # Nodes whose report times `shift_node` moved since the last rebuild, and the
+        # partitions they are placed on (recomputed from their rows unless also touched).
+        self._shifted: set[str] = set()
+        self._moved: set[tuple[str, int]] = set()
         self._everything = True
         self._node_urls: Mapping[str, str] = {}
         self._alive_frozen: frozenset[str] = frozenset()
@@ -387,6 +422,36 @@ class TableBuilder:
         self.reports[node_id] = fields
         self._touch(node_id)
 
+    def shift_node(
+        self, node_id: str, delta_ms: int, hosting: Hosting
+    ) -> Mapping[Where, ReportFields]:
+        """The node's last report confirmed `delta_ms` later: every time in its reports
+        ("caught up at", "reported at") moves by `delta_ms`, its hosting becomes `hosting`,
+        and nothing else changes; the caller knows the reports it gave last, less their times,
+        still hold (the watcher: the same `report:<id>` body and end offsets). What
+        `set_node` with those reports would do, without building or comparing them, and its
+        partitions' rows are rebuilt from themselves (only this node's replicas replaced).
+        Returns the node's reports as now held."""
+        before = self.hostings.get(node_id)
+        fields = self.reports.get(node_id)
+        if before is None or fields is None or not _same_partitions(before, hosting):
+            raise ValueError(f"shift_node({node_id!r}): not the hosting and reports it holds")
+        self.hostings[node_id] = hosting
+        if delta_ms == 0:
+            return fields
+        moved = self.reports[node_id] = {
+            where: (
+                lag,
+                None if caught_up is None else caught_up + delta_ms,
+                None if reported is None else reported + delta_ms,
+                position,
+            )
+            for where, (lag, caught_up, reported, position) in fields.items()
+        }
+        self._shifted.add(node_id)
+        self._moved.update(self._placed_on.get(node_id, ()))
+        return moved
+
     def forget_node(self, node_id: str) -> None:
         self.set_node(node_id, None, None, {})
         self.reports.pop(node_id, None)
@@ -401,7 +466,9 @@ class TableBuilder:
 
     @property
     def pending(self) -> bool:
-        return self._everything or bool(self._touched) or self._membership_changed
+        return (
+            self._everything or bool(self._touched) or bool(self._moved) or self._membership_changed
+        )
 
     def rebuild(self, now_ms: int = 0) -> Iterator[int]:
         """Recompute what updates touched; yields after every step (the partitions done).
@@ -409,15 +476,23 @@ class TableBuilder:
         if self._everything:
             yield from self._rebuild_everything()
             return
-        touched, self._touched = list(self._touched), set()  # any order: a sort costs ms
+        # Any order: a sort costs ms. A partition both touched and moved is recomputed whole.
+        moved = list(self._moved - self._touched)
+        touched, self._touched = list(self._touched), set()
+        shifted, self._shifted, self._moved = self._shifted, set(), set()
         for start in range(0, len(touched), STEP_PARTITIONS):
             for store, partition in touched[start : start + STEP_PARTITIONS]:
                 self._recompute(store, partition, now_ms)
             yield min(start + STEP_PARTITIONS, len(touched))
+        for start in range(0, len(moved), STEP_PARTITIONS):
+            for store, partition in moved[start : start + STEP_PARTITIONS]:
+                self._move_times(store, partition, shifted, now_ms)
+            yield len(touched) + min(start + STEP_PARTITIONS, len(moved))
 
     def _rebuild_everything(self) -> Iterator[int]:
         self._everything = False
         self._touched = set()
+        self._shifted, self._moved = set(), set()
         self._changed = None
         self._placed_on = {}
         self._partitioners = {name: self._partitioner(info) for name, info in self.stores.items()}
@@ -457,7 +532,43 @@ class TableBuilder:
             report_of=self._report,
             alive=self.alive,
         )
-        if self._changed is None or new == old:
+        self._classify(store, partition, old, new, now_ms)
+
+    def _move_times(self, store: str, partition: int, shifted: set[str], now_ms: int) -> None:
+        """Recompute a partition only `shift_node` touched: its row is what it was (nothing
+        else about it changed since it was computed, or it would be touched) with the shifted
+        nodes' replicas taking their reports' new times; the others stay the same objects."""
+        rows = self._rows.get(store)
+        if rows is None or partition >= len(rows):
+            return
+        old = rows[partition]
+        where = (store, partition)
+        reports = self.reports
+        row: list[Replica] = []
+        differs = False  # cheaper than comparing the rows: this runs for every moved row
+        for replica in old:
+            if replica.node_id in shifted:
+                # (.get: a node forgotten while a rebuild yielded touched this row for the next)
+                fields = reports.get(replica.node_id, {}).get(where) or _NO_REPORT
+                if fields != (
+                    replica.lag,
+                    replica.caught_up_at_ms,
+                    replica.reported_at_ms,
+                    replica.position,
+                ):
+                    replica = _with_fields(replica, fields)  # noqa: PLW2901 (the row's replica)
+                    differs = True
+            row.append(replica)
+        if differs:
+            new = rows[partition] = tuple(row)
+            self._classify(store, partition, old, new, now_ms, differs=True)
+
+    def _classify(
+        self, store: str, partition: int, old: Row, new: Row, now_ms: int, *, differs: bool = False
+    ) -> None:
+        """Name a partition whose row changed (`differs`: known to) renewed when its choice
+        stays, else changed."""
+        if self._changed is None or not (differs or new != old):
             return
         if self.same_choice is not None and self.same_choice(old, new, now_ms):
             self._renewed.setdefault(store, set()).add(partition)

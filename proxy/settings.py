@@ -305,6 +305,15 @@ class ProxySettings(EnvSettings):
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         default="info", description="Log level of the proxy's JSON logs."
     )
+    stall_report_ms: int | None = Field(
+        default=None,
+        ge=20,
+        le=60_000,
+        description="Find what holds the event loop: a stall longer than this logs a warning "
+        "with its length and the CPU time the proxy used meanwhile (the rest it waited for a "
+        "core), and one longer than this plus 100 ms prints every thread's stack to stderr "
+        "while it lasts. Unset: off.",
+    )
 
     @model_validator(mode="after")
     def _hedge_before_timeout(self) -> ProxySettings:

@@ -16,7 +16,10 @@ Three kinds of reads, each a pipelined round trip or two:
   the end offsets of its last node read (position = end - lag: the log's end only grows, so
   this is a lower bound, still a correct preference for read-your-writes, also after a
   replica was reset and its own position fell). A node without a usable `report_at:<id>`
-  or body (a writer that does not write them) gets a node read instead;
+  or body (a writer that does not write them) gets a node read instead. A confirmation of
+  the body last applied, around the same end offsets (the steady state), only moves every
+  time in the node's reports by as much as its at_ms moved (`TableBuilder.shift_node`,
+  nothing rebuilt or compared but the times);
 - a *node read* (`node:<id>`, `hosting:<id>`, `lag:<id>`: everything, with positions): soon
   after an event names the node (`hosting`, `node`, `lag`), for every node once per
   `NODE_READ_S` (spread evenly, like the sweep), and in the sweep for nodes without
@@ -58,8 +61,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
 import gc
 import ipaddress
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -162,8 +167,14 @@ class WatcherStats:
     renewed_partitions: int = 0
     max_swap_ms: float = 0.0  # the longest `on_snapshot` took (the handler's own swap)
     # The event loop's longest stall, whatever caused it (a request burst, the garbage
-    # collector, the table): how late a timer asking for LOOP_PROBE_S ran.
+    # collector, the table, the machine running something else): how late a timer asking for
+    # LOOP_PROBE_S ran.
     max_loop_lag_ms: float = 0.0
+    # Of each stall, at most the CPU time this process used meanwhile (all its threads) can be
+    # its own work; the rest it spent waiting for a core. The largest such share: on a busy
+    # machine, a long wall-clock stall with a small share here is the scheduler's, not the
+    # proxy's.
+    max_loop_lag_busy_ms: float = 0.0
 
 
 class TableWatcher:
@@ -212,6 +223,8 @@ class TableWatcher:
         # Each node's last `report:<id>` body read (by its version): re-applied with the time
         # of every `report_at:<id>` that names that version.
         self._bodies: dict[str, NodeReport] = {}
+        # What the table holds of each node from its last body applied (see _apply_report).
+        self._applied: dict[str, _Applied] = {}
         # The version each node's `report_at:<id>` named when its body was refused: that body
         # is not read (nor decoded) again, the node gets node reads until a new version.
         self._refused: dict[str, int] = {}
@@ -230,6 +243,8 @@ class TableWatcher:
         # Freeze the heap after every swap (see _freeze_heap): for a process whose heap is
         # mostly its table (the proxy), not for tests that run a watcher among other things.
         self.freeze_heap = False
+        # KROUTE_STALL_REPORT_MS (see _probe_loop); None: off.
+        self.stall_report_ms: int | None = None
         self._full_collect_s = time.monotonic()
 
     def keep_choices(self, same_choice: SameChoice, renew: Renew) -> None:
@@ -372,6 +387,7 @@ class TableWatcher:
             self._infos.pop(gone, None)
             self._ends.pop(gone, None)
             self._bodies.pop(gone, None)
+            self._applied.pop(gone, None)
             self._refused.pop(gone, None)
         self._named |= set(node_ids) - set(self._node_ids) - set(table.nodes)
         self._node_ids = node_ids
@@ -529,14 +545,32 @@ class TableWatcher:
         info = self._infos[node_id]
         if info is None:
             return  # not routable (its node read said so): nothing to apply
+        ends = self._ends.get(node_id)
+        last = self._applied.get(node_id)
+        table = self._table
+        same_body = last is not None and last.body is body
+        ahead = last.ahead_ms if last is not None and same_body else _ahead_ms(body)
+        in_time = at_ms + ahead <= at + CLOCK_TOLERANCE_MS  # no entry from the future
+        if (
+            in_time
+            and last is not None
+            and same_body
+            and last.ends is ends
+            and table.reports.get(node_id) is last.fields
+        ):
+            moved = table.shift_node(node_id, at_ms - last.at_ms, body.hosting(at_ms))
+            self._applied[node_id] = _Applied(body, ends, at_ms, moved, ahead)
+            return
         reports = {
             where: partition_report
-            for where, partition_report in body.partition_reports(
-                self._ends.get(node_id, {}), at_ms
-            ).items()
+            for where, partition_report in body.partition_reports(ends or {}, at_ms).items()
             if not self._from_the_future(node_id, partition_report, at)
         }
-        self._table.set_node(node_id, info, body.hosting(at_ms), reports)
+        table.set_node(node_id, info, body.hosting(at_ms), reports)
+        if in_time:
+            self._applied[node_id] = _Applied(body, ends, at_ms, table.reports[node_id], ahead)
+        else:
+            self._applied.pop(node_id, None)
 
     def _chunks(self, node_ids: list[str]) -> Iterable[list[str]]:
         """Node ids in groups of about VALUES_PER_PIPELINE values (by their last report)."""
@@ -745,11 +779,20 @@ class TableWatcher:
         self.stats.reply_bytes += sum(map(_size, replies))
 
     async def _probe_loop(self) -> None:
-        while True:
-            asked = time.perf_counter()
-            await asyncio.sleep(LOOP_PROBE_S)
-            late_ms = (time.perf_counter() - asked - LOOP_PROBE_S) * 1000
-            self.stats.max_loop_lag_ms = max(self.stats.max_loop_lag_ms, late_ms)
+        stats = self.stats
+        watchdog = _StallWatchdog(self.stall_report_ms)
+        try:
+            while True:
+                watchdog.arm()
+                asked, cpu_before = time.perf_counter(), time.process_time()
+                await asyncio.sleep(LOOP_PROBE_S)
+                late_ms = (time.perf_counter() - asked - LOOP_PROBE_S) * 1000
+                cpu_ms = (time.process_time() - cpu_before) * 1000
+                stats.max_loop_lag_ms = max(stats.max_loop_lag_ms, late_ms)
+                stats.max_loop_lag_busy_ms = max(stats.max_loop_lag_busy_ms, min(late_ms, cpu_ms))
+                watchdog.saw(late_ms, cpu_ms)
+        finally:
+            watchdog.disarm()
 
     async def _log_stats(self) -> None:
         """Counters since start and maxima since the last line (then started again)."""
@@ -758,6 +801,7 @@ class TableWatcher:
             log.debug("control plane", nodes=len(self._node_ids), **vars(self.stats))
             stats = self.stats
             stats.max_hold_ms = stats.max_swap_ms = stats.max_loop_lag_ms = 0.0
+            stats.max_loop_lag_busy_ms = 0.0
 
     # -- checks ------------------------------------------------------------------------------
 
@@ -861,6 +905,36 @@ class TableWatcher:
         self._wake.set()
 
 
+@dataclass(frozen=True, eq=False, slots=True)
+class _Applied:
+    """What a node's last body applied left in the table: from that body (the object held in
+    `_bodies`), around those end offsets (the object the last node read left), as of `at_ms`,
+    every entry kept (none from the future), giving the table the reports `fields` (the
+    builder's own object, which any other update of the node that changes them replaces:
+    a node read, a new URL, a forgotten node). While all of these are still the same objects,
+    a confirmation of the body at another at_ms gives the same reports with every time moved
+    by the difference. Compared by identity, never by value: cheap, and a new body or node
+    read in between (new objects, however equal) takes the whole path."""
+
+    body: NodeReport
+    ends: dict[tuple[str, int], int] | None
+    at_ms: int
+    fields: Any  # the TableBuilder's mapping of the node's reports
+    ahead_ms: int  # _ahead_ms(body)
+
+
+def _ahead_ms(body: NodeReport) -> int:
+    """How far past its at_ms the newest time of a body's entries lies (a "caught up at" after
+    the report's time, a negative age; 0 when none is): an entry is from the future when at_ms
+    plus this is."""
+    ahead = 0
+    for entries in body.lags.values():
+        for entry in entries:
+            if entry is not None and entry[1] is not None and -entry[1] > ahead:
+                ahead = -entry[1]
+    return ahead
+
+
 class _Round:
     """Every node once per `interval_s`, a slice at a time: as many nodes as the time since
     the last slice asks for, however long the ticks really took."""
@@ -899,3 +973,50 @@ def _size(reply: Any) -> int:
     if isinstance(reply, list | tuple | set | frozenset):
         return sum(map(_size, reply)) + 5
     return 5 if reply is None else len(str(reply)) + 3
+
+
+class _StallWatchdog:
+    """KROUTE_STALL_REPORT_MS: every thread's stack printed to stderr while the loop is held
+    longer than `report_ms` (faulthandler's watchdog, a C thread that needs no GIL, so it
+    prints while the code holding the loop is still on the stack; a Python thread could only
+    look afterwards), and a warning logged for each such stall.
+
+    Re-arming stops faulthandler's thread and starts another (a fraction of a millisecond,
+    more on a busy machine), so it is re-armed every REARM_S, not on every 10 ms probe: the
+    stacks come for stalls longer than `report_ms` plus up to REARM_S. A diagnostic never
+    stops the watcher: a stderr without a file descriptor turns the stacks off (logged)."""
+
+    REARM_S = 0.1
+
+    def __init__(self, report_ms: int | None) -> None:
+        self.report_ms = report_ms
+        self._stacks = report_ms is not None
+        self._armed_at = -1.0
+
+    def arm(self) -> None:
+        if not self._stacks or self.report_ms is None:
+            return
+        now = time.monotonic()
+        if now - self._armed_at < self.REARM_S:
+            return
+        try:
+            faulthandler.dump_traceback_later(self.REARM_S + self.report_ms / 1000, file=sys.stderr)
+        except (AttributeError, OSError, RuntimeError, ValueError) as exc:
+            # sys.stderr None, replaced by an object without a file descriptor, or closed.
+            self._stacks = False
+            log.warning("stall report: no stacks, stderr cannot take them", error=repr(exc))
+            return
+        self._armed_at = now
+
+    def saw(self, late_ms: float, cpu_ms: float) -> None:
+        if self.report_ms is not None and late_ms > self.report_ms:
+            log.warning(
+                "event loop stalled",
+                stall_ms=round(late_ms, 1),
+                proxy_cpu_ms=round(cpu_ms, 1),
+                stacks="printed to stderr during the stall" if self._stacks else "off",
+            )
+
+    def disarm(self) -> None:
+        if self._armed_at >= 0:
+            faulthandler.cancel_dump_traceback_later()

@@ -1,0 +1,219 @@
+"""A node confirming its unchanged report later (`TableBuilder.shift_node`, the steady state)
+gives exactly what `set_node` with the same reports, every time moved, gives: the same rows,
+the same partitions named changed and renewed, after any mix of other updates."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from common.contract import (
+    Assignment,
+    Hosting,
+    NodeInfo,
+    PartitionAssignment,
+    PartitionReport,
+    StoreInfo,
+)
+from proxy.choice import LagBudget
+from proxy.routing import ChoiceStability, RoutingSnapshot, TableBuilder
+
+NODE_IDS = ("a", "b", "c")
+PARTITIONS = 6
+NOW = 7_000_000
+STALE_MS = 3_000
+# A small budget and stale time, and times around them: moving a report's times can make it
+# fresh again or bring it back inside the time budget (a changed choice), or not (renewed).
+STABILITY = ChoiceStability(LagBudget(5, 1_000), "reject", STALE_MS)
+
+placements = st.builds(
+    PartitionAssignment,
+    st.sampled_from((None, *NODE_IDS)),
+    st.lists(st.sampled_from(NODE_IDS), max_size=2, unique=True).map(tuple),
+)
+times = st.integers(-5_000, 500)  # relative to the moment of the update
+lag_reports = st.dictionaries(
+    st.integers(0, PARTITIONS - 1),
+    st.tuples(st.integers(0, 9), st.one_of(st.none(), times), times),  # lag, caught up, at
+    max_size=PARTITIONS,
+)
+updates = st.one_of(
+    st.tuples(
+        st.just("node"),
+        st.sampled_from(NODE_IDS),
+        st.sets(st.integers(0, PARTITIONS - 1)),  # active partitions it says it serves
+        st.sets(st.integers(0, PARTITIONS - 1)),  # standby ones
+        lag_reports,
+        st.integers(1, 3),  # port: a URL change now and then
+    ),
+    st.tuples(st.just("shift"), st.sampled_from(NODE_IDS), st.integers(-300, 3_000)),
+    st.tuples(st.just("shift"), st.sampled_from(NODE_IDS), st.just(0)),
+    st.tuples(st.just("alive"), st.sets(st.sampled_from(NODE_IDS))),
+    st.tuples(st.just("forget"), st.sampled_from(NODE_IDS)),
+    st.tuples(st.just("assignment"), st.integers(1, 3), st.lists(placements, max_size=6)),
+)
+
+
+def _as_report(fields: tuple[int | None, int | None, int | None, int | None]) -> PartitionReport:
+    """The PartitionReport a builder turns into these fields (lag, caught up, at, position)."""
+    lag, caught_up, reported, position = fields
+    assert position is not None
+    assert reported is not None
+    return PartitionReport(
+        position, None if lag is None else position + lag, None, caught_up, reported
+    )
+
+
+class Pair:
+    """Two builders given the same updates, but shifts: `fast` takes `shift_node`, `slow` the
+    same reports moved, through `set_node`."""
+
+    def __init__(self) -> None:
+        self.fast = TableBuilder(STABILITY.same)
+        self.slow = TableBuilder(STABILITY.same)
+        for table in (self.fast, self.slow):
+            table.set_stores({"s": StoreInfo("s", "t", PARTITIONS)})
+            table.set_alive(set(NODE_IDS))
+
+    def both(self) -> tuple[TableBuilder, TableBuilder]:
+        return self.fast, self.slow
+
+    def apply(self, update: tuple, at: int) -> None:  # type: ignore[type-arg]
+        kind = update[0]
+        if kind == "node":
+            _, node_id, active, standby, lags, port = update
+            info = NodeInfo(node_id, f"http://10.0.0.{NODE_IDS.index(node_id)}:{port}", 0)
+            stores = {"s": {"active": tuple(sorted(active)), "standby": tuple(sorted(standby))}}
+            reports = {
+                ("s", p): PartitionReport(
+                    100, 100 + lag, None, None if cu is None else at + cu, at + reported
+                )
+                for p, (lag, cu, reported) in lags.items()
+            }
+            for table in self.both():
+                table.set_node(node_id, info, Hosting(node_id, 1, stores, at), reports)
+        elif kind == "shift":
+            self._shift(update[1], update[2], at)
+        elif kind == "alive":
+            for table in self.both():
+                table.set_alive(update[1])
+        elif kind == "forget":
+            for table in self.both():
+                table.forget_node(update[1])
+        else:
+            _, generation, placed = update
+            assignment = Assignment(generation, "a", 0, {"s": dict(enumerate(placed))})
+            for table in self.both():
+                table.set_assignment(assignment)
+
+    def _shift(self, node_id: str, delta: int, at: int) -> None:
+        slow = self.slow
+        hosting, info = slow.hostings.get(node_id), slow.nodes.get(node_id)
+        if hosting is None or info is None or node_id not in slow.reports:
+            return  # nothing confirmed: the watcher shifts only what a body gave
+        confirmed = replace(hosting, updated_at_ms=at)
+        moved = {
+            where: _as_report(
+                (
+                    lag,
+                    None if cu is None else cu + delta,
+                    None if rep is None else rep + delta,
+                    position,
+                )
+            )
+            for where, (lag, cu, rep, position) in slow.reports[node_id].items()
+        }
+        slow.set_node(node_id, info, confirmed, moved)
+        held = self.fast.shift_node(node_id, delta, confirmed)
+        assert held is self.fast.reports[node_id]
+
+    def snapshots(self, now: int) -> tuple[RoutingSnapshot, RoutingSnapshot]:
+        built = []
+        for table in self.both():
+            for _ in table.rebuild(now):
+                pass
+            built.append(table.snapshot(now))
+        return built[0], built[1]
+
+    def rows(self) -> list[object]:
+        return [list(rows) for rows in self.fast._rows.values()]
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.lists(updates, min_size=1, max_size=5), st.integers(0, 2_000)),
+        min_size=1,
+        max_size=8,
+    )
+)
+def test_a_shift_gives_what_the_same_reports_moved_give(batches):
+    pair = Pair()
+    pair.apply(("assignment", 1, [PartitionAssignment("a", ("b",))] * PARTITIONS), NOW)
+    now = NOW
+    for batch, elapsed in batches:
+        now += elapsed
+        for update in batch:
+            pair.apply(update, now)
+        before, pending = pair.rows(), pair.fast.pending
+        fast, slow = pair.snapshots(now)
+        # The watcher rebuilds only a pending table: a shift that moves a time must make it so.
+        assert pending or pair.rows() == before
+        assert {n: r.replicas for n, r in fast.stores.items()} == {
+            n: r.replicas for n, r in slow.stores.items()
+        }
+        assert fast.changed == slow.changed
+        assert fast.renewed == slow.renewed
+        assert fast.node_urls == slow.node_urls
+        assert fast.alive == slow.alive
+        assert pair.fast.reports == pair.slow.reports
+        assert pair.fast.hostings == pair.slow.hostings
+
+
+def _steady_pair() -> Pair:
+    pair = Pair()
+    pair.apply(("assignment", 1, [PartitionAssignment("a", ("b",))] * PARTITIONS), NOW)
+    for node_id in ("a", "b"):
+        lags = {p: (0, -5, 0) for p in range(PARTITIONS)}
+        everything = set(range(PARTITIONS))
+        active, standby = (everything, set()) if node_id == "a" else (set(), everything)
+        pair.apply(("node", node_id, active, standby, lags, 1), NOW)
+    pair.snapshots(NOW)
+    return pair
+
+
+def test_a_shift_renews_every_partition_of_the_node_and_keeps_the_other_replicas():
+    pair = _steady_pair()
+    before = pair.fast.snapshot(NOW).stores["s"].replicas
+    pair.apply(("shift", "a", 700), NOW + 700)
+    assert pair.fast.pending, "the watcher rebuilds only a pending table"
+    fast, slow = pair.snapshots(NOW + 700)
+    assert fast.changed == slow.changed == {}
+    assert fast.renewed == slow.renewed == {"s": frozenset(range(PARTITIONS))}
+    after = fast.stores["s"].replicas
+    for p in range(PARTITIONS):
+        active, standby = after[p]
+        assert (active.reported_at_ms, active.caught_up_at_ms) == (NOW + 700, NOW + 695)
+        assert standby is before[p][1], "the standby's replica is kept, not rebuilt"
+
+
+def test_a_shift_that_makes_a_stale_report_fresh_changes_the_choice():
+    pair = _steady_pair()
+    pair.apply(("shift", "a", -STALE_MS - 1), NOW)  # a's reports now too old to count
+    pair.snapshots(NOW)
+    pair.apply(("shift", "a", STALE_MS + 1), NOW)
+    fast, slow = pair.snapshots(NOW)
+    assert fast.changed == slow.changed == {"s": frozenset(range(PARTITIONS))}
+    assert fast.renewed == slow.renewed == {}
+
+
+def test_a_shift_of_what_the_table_does_not_hold_is_refused():
+    pair = _steady_pair()
+    with pytest.raises(ValueError, match="not the hosting"):
+        pair.fast.shift_node("c", 10, Hosting("c", 1, {}, NOW))
+    other = Hosting("a", 1, {"s": {"active": (0,), "standby": ()}}, NOW)
+    with pytest.raises(ValueError, match="not the hosting"):
+        pair.fast.shift_node("a", 10, other)

@@ -1,0 +1,174 @@
+"""The watcher's sweep applies a confirmation of the body it applied last (the steady state)
+as a shift of the node's times (`TableBuilder.shift_node`): the table it gives is exactly the
+one applying the body whole gives, whatever came in between (new bodies, equal or not, node
+reads, times from the future, times going back)."""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from common.clock import CLOCK_TOLERANCE_MS, SharedClock
+from common.contract import (
+    Assignment,
+    Hosting,
+    Keys,
+    NodeInfo,
+    NodeReport,
+    PartitionAssignment,
+    PartitionReport,
+    StoreInfo,
+    encode,
+    lag_field,
+)
+from proxy.choice import LagBudget
+from proxy.routing import ChoiceStability, RoutingSnapshot
+from proxy.watcher import TableWatcher
+
+NODE_IDS = ("a", "b")
+PARTITIONS = 4
+NOW = 9_000_000
+STABILITY = ChoiceStability(LagBudget(5, 1_000), "reject", 3_000)
+
+entries = st.lists(
+    st.one_of(
+        st.none(),
+        st.tuples(
+            st.one_of(st.none(), st.integers(0, 9)),  # lag
+            st.one_of(st.none(), st.integers(-2 * CLOCK_TOLERANCE_MS, 4_000)),  # caught up ago
+            st.none(),
+        ),
+    ),
+    min_size=PARTITIONS,
+    max_size=PARTITIONS,
+)
+actions = st.one_of(
+    # A sweep's confirmation: at_ms moves (back now and then), the proxy's clock too.
+    st.tuples(st.just("confirm"), st.sampled_from(NODE_IDS), st.integers(-200, 1_500)),
+    # A sweep's confirmation stamped ahead of the proxy's clock (a writer's clock ahead).
+    st.tuples(st.just("ahead"), st.sampled_from(NODE_IDS), st.integers(0, 2 * CLOCK_TOLERANCE_MS)),
+    st.tuples(st.just("body"), st.sampled_from(NODE_IDS), entries),  # a new body read
+    st.tuples(st.just("same body"), st.sampled_from(NODE_IDS)),  # an equal one, a new object
+    st.tuples(st.just("node read"), st.sampled_from(NODE_IDS), st.integers(0, 50)),
+)
+
+
+class Watched:
+    """A watcher fed by hand (no Redis round trip is made): what its sweep and node reads
+    would apply."""
+
+    def __init__(self, *, fast: bool) -> None:
+        self.fast = fast
+        self.watcher = TableWatcher(
+            aioredis.Redis(),  # never connected: nothing here reads Redis
+            Keys("shift"),
+            refresh_interval_ms=1_000,
+            networks=None,
+            clock=SharedClock(),
+        )
+        self.watcher.keep_choices(STABILITY.same, lambda _snapshot, _store, _parts: None)
+        table = self.watcher._table
+        table.set_stores({"s": StoreInfo("s", "t", PARTITIONS)})
+        placed = dict.fromkeys(range(PARTITIONS), PartitionAssignment("a", ("b",)))
+        table.set_assignment(Assignment(1, "a", 0, {"s": placed}))
+        table.set_alive(set(NODE_IDS))
+
+    def node_read(self, node_id: str, end: int, at: int) -> None:
+        """What `_apply_node` makes of a node read: new info and end offsets."""
+        roles = _roles(node_id)
+        raw_lag = {
+            lag_field("s", p): encode(PartitionReport(end, end + 1, None, at - 10, at))
+            for p in range(PARTITIONS)
+        }
+        self.watcher._apply_node(
+            node_id,
+            encode(NodeInfo(node_id, f"http://10.0.0.1:{8000 + NODE_IDS.index(node_id)}", 0)),
+            encode(Hosting(node_id, 1, {"s": roles}, at)),
+            raw_lag,
+            at,
+        )
+
+    def confirm(self, node_id: str, body: NodeReport, at_ms: int, at: int) -> None:
+        if not self.fast:
+            self.watcher._applied.clear()  # every body applied whole
+        self.watcher._apply_report(node_id, body, at_ms, at)
+
+    def snapshot(self, now: int) -> RoutingSnapshot:
+        table = self.watcher._table
+        for _ in table.rebuild(now):
+            pass
+        return table.snapshot(now)
+
+
+def _roles(node_id: str) -> dict[str, tuple[int, ...]]:
+    everything = tuple(range(PARTITIONS))
+    return (
+        {"active": everything, "standby": ()}
+        if node_id == "a"
+        else {
+            "active": (),
+            "standby": everything,
+        }
+    )
+
+
+def _body(node_id: str, lags: list[tuple[int | None, int | None, None] | None]) -> NodeReport:
+    return NodeReport(node_id, 1, 1, {"s": _roles(node_id)}, {"s": tuple(lags)})
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(actions, min_size=1, max_size=6), min_size=1, max_size=6))
+def test_a_confirmation_applied_as_a_shift_gives_the_table_a_whole_body_gives(batches):
+    fast, slow = Watched(fast=True), Watched(fast=False)
+    steady = [(0, 5, None)] * PARTITIONS
+    bodies = {node_id: _body(node_id, steady) for node_id in NODE_IDS}
+    at_ms = dict.fromkeys(NODE_IDS, NOW)
+    now = NOW
+    for watched in (fast, slow):
+        for node_id in NODE_IDS:
+            watched.node_read(node_id, 100, now)
+            watched.confirm(node_id, bodies[node_id], now, now)
+        watched.snapshot(now)
+    for batch in batches:
+        for action in batch:
+            kind, node_id = action[0], action[1]
+            if kind in ("confirm", "ahead"):
+                now += max(action[2], 0)
+                at_ms[node_id] = (
+                    at_ms[node_id] + action[2] if kind == "confirm" else now + action[2]
+                )
+            elif kind == "body":
+                bodies[node_id] = _body(node_id, action[2])
+                continue
+            elif kind == "same body":
+                body = bodies[node_id]
+                bodies[node_id] = NodeReport(
+                    body.node_id, body.generation, body.version, body.stores, body.lags
+                )
+                continue
+            else:
+                for watched in (fast, slow):
+                    watched.node_read(node_id, 100 + action[2], now)
+                continue
+            for watched in (fast, slow):
+                watched.confirm(node_id, bodies[node_id], at_ms[node_id], now)
+        built, expected = fast.snapshot(now), slow.snapshot(now)
+        assert built.stores["s"].replicas == expected.stores["s"].replicas
+        assert built.changed == expected.changed
+        assert built.renewed == expected.renewed
+        assert fast.watcher._table.reports == slow.watcher._table.reports
+
+
+def test_a_steady_confirmation_takes_the_shift():
+    """The case the shift is for: the same body confirmed later moves every time, and the
+    table holds exactly the times a whole apply gives."""
+    watched = Watched(fast=True)
+    body = _body("a", [(0, 5, None)] * PARTITIONS)
+    watched.node_read("a", 100, NOW)
+    watched.confirm("a", body, NOW, NOW)
+    held = watched.watcher._table.reports["a"]
+    watched.confirm("a", body, NOW + 700, NOW + 700)
+    moved = watched.watcher._table.reports["a"]
+    assert watched.watcher._applied["a"].fields is moved is not held
+    assert moved[("s", 0)] == (0, NOW + 695, NOW + 700, 101)  # position: end - lag
