@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -114,6 +115,19 @@ class EndHistory:
         report to the next (docs/redis-contract.md, "The compact report")."""
         asked_at = self.end_asked_at(at_ms)
         return at_ms if asked_at is None else asked_at
+
+
+def conservative_report(report: PartitionReport, clock: SharedClock) -> PartitionReport:
+    """A report with its times mapped by `clock` now (`SharedClock.conservative_ms`), equal
+    ones alike (so a caught-up replica's ages stay 0). For a writer that publishes a report
+    again later (a reading kept between reads): mapped when it was made, one taken before a
+    backward clock step would read fresher than true."""
+    caught_up = report.caught_up_at_ms
+    return dataclasses.replace(
+        report,
+        caught_up_at_ms=None if caught_up is None else clock.conservative_ms(caught_up),
+        updated_at_ms=clock.conservative_ms(report.updated_at_ms),
+    )
 
 
 def merged_assignment(

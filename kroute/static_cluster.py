@@ -4,9 +4,11 @@ The proxy routes to whatever the Redis contract describes. Materializer nodes pu
 themselves; this writes the same keys for a fixed set of HTTP services (a benchmark's trivial
 backends, a test's stand-in nodes), so the proxy can be put in front of them. Heartbeats are
 written without a TTL: the caller says who is alive, and calls `publish` again to change
-anything (lag reports carry the time). It is a fixture, not a writer for real services (the
-contract wants heartbeats with a TTL, and `kroute contract check` says so): those use
-`kroute adapt fixed`, which probes liveness and reads lag (docs/existing-services.md).
+anything (lag reports carry the time); a node left out of `node_urls` is forgotten at once by
+the next `publish` (`common.departed`: no grace period, the caller says it is gone). It is a
+fixture, not a writer for real services (the contract wants heartbeats with a TTL, and
+`kroute contract check` says so): those use `kroute adapt fixed`, which probes liveness and
+reads lag (docs/existing-services.md).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from common.contract import (
     encode,
     write_node_report,
 )
+from common.departed import queue_forget
 
 END_OFFSET = 1_000  # every partition's published high watermark
 # Its reports stand until the caller publishes again (a fixture: no process renews them).
@@ -100,6 +103,11 @@ class StaticCluster:
             write_node_report(
                 pipe, keys, hosting, reports, REPORT_EXPIRE_MS, bodies=self.report_bodies
             )
+        # Nodes published before and no longer described: gone, as far as the caller says.
+        departed = sorted(set(self.published_urls) - set(self.node_urls))
+        queue_forget(pipe, keys, departed)
+        for node_id in departed:
+            self.report_bodies.forget(node_id)
         pipe.set(keys.assignment, encode(assignment))
         pipe.publish(keys.events, encode(Event("assignment", generation=self.generation)))
         for node_id, url in self.node_urls.items():

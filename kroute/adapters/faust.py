@@ -18,6 +18,9 @@ needs to send each lookup straight to the worker that owns the key's partition:
 - liveness: the same `/router/` request, with a timeout, is the health probe. A worker that
   does not answer stops being refreshed (its `alive` key expires) and after `dead_after` failed
   probes in a row its `alive` key is deleted at once.
+- departed workers: a worker (or an id in `nodes` this adapter no longer knows, from an earlier
+  run) gone for `forget_after_ms` and placed nowhere is forgotten (`common.departed`): Faust
+  workers in pods get a new URL, so a new id, each time they are replaced.
 
 The adapter is the only writer of its cluster's keys: give it a cluster name of its own. A
 lease in `leader` enforces it (`kroute.adapters.fencing`): a second adapter waits. After an
@@ -60,10 +63,11 @@ from common.contract import (
     encode,
     write_node_report,
 )
+from common.departed import DEFAULT_GRACE_MS, Departures, departures, read_membership
 from kroute.adapters import probing
 from kroute.adapters.fencing import OwnerLease
 from kroute.adapters.probing import redis_url_error
-from kroute.agent import EndHistory
+from kroute.agent import EndHistory, conservative_report
 from kroute.errors import UsageError
 from materializer.kafka_offsets import fetch_high_watermarks
 
@@ -99,6 +103,8 @@ class FaustAdapterSettings:
     redis_timeout_ms: int = 1_000
     lease_ms: int = 5_000  # the writer lease: a second adapter takes over this long after us
     standbys: bool = False
+    # A worker gone this long (and placed nowhere) is forgotten: kroute's leader's default.
+    forget_after_ms: int = DEFAULT_GRACE_MS
 
     def validate(self) -> None:
         if not self.workers:
@@ -125,6 +131,8 @@ class FaustAdapterSettings:
             )
         if self.dead_after < 1:
             raise FaustAdapterError(f"--dead-after {self.dead_after}: at least 1")
+        if self.forget_after_ms < 0:
+            raise FaustAdapterError(f"--forget-after-ms {self.forget_after_ms}: at least 0")
         from partitioner import KEY_FORMATS  # noqa: PLC0415 - only to validate once
 
         if self.key_format not in KEY_FORMATS:
@@ -291,12 +299,10 @@ class LagBook:
             # committed offset trails Faust's real position by up to one commit interval, so
             # this is never later than the truth.
             _, reached_at = state.ends.report(current, asked_at_ms)
-            caught_up = None if reached_at is None else SHARED.conservative_ms(reached_at)
             # As of the end read, not `at_ms` when the reading finished: when the figures were
             # true, and a caught-up partition's ages in report:<id> stay the same from one
-            # reading to the next (EndHistory.as_of).
-            as_of = SHARED.conservative_ms(asked_at_ms)
-            state.report = PartitionReport(current, end, None, caught_up, as_of)
+            # reading to the next (EndHistory.as_of). Both times as read: `reports` maps them.
+            state.report = PartitionReport(current, end, None, reached_at, asked_at_ms)
 
     @staticmethod
     def _owner_consumes(state: _PartitionLag, current: int, asked_at_ms: int) -> bool:
@@ -313,7 +319,14 @@ class LagBook:
         return True
 
     def reports(self) -> dict[int, PartitionReport]:
-        return {p: s.report for p, s in self.partitions.items() if s.report is not None}
+        """The last reading's reports, their times mapped now (`SharedClock.conservative_ms`):
+        every round publishes the same reading until the next, and one taken before a
+        backward clock step would read fresher than true if mapped when it was taken."""
+        return {
+            p: conservative_report(s.report, SHARED)
+            for p, s in self.partitions.items()
+            if s.report is not None
+        }
 
 
 # -- the adapter -------------------------------------------------------------------------------
@@ -417,7 +430,8 @@ class FaustAdapter:
             self.placement = placement
         self.lag_book.follow({p: a.active for p, a in placement.items()}, SHARED.now_ms())
         self._start_lag_read()
-        await self._publish(seen, placement)
+        leaving = await self._departures(seen, placement)
+        await self._publish(seen, placement, leaving)
 
     # probing
 
@@ -598,6 +612,36 @@ class FaustAdapter:
             placed[p] = PartitionAssignment(node_id_for(owner) if owner else None, standbys)
         return placed
 
+    async def _departures(
+        self, seen: Round, placement: Mapping[int, PartitionAssignment]
+    ) -> Departures:
+        """Who starts or ends a grace period this round, and who is forgotten: a known worker
+        that failed its probe, or an id in `nodes` this adapter does not know (an earlier run
+        described it), gone for `forget_after_ms` and placed nowhere. A forgotten worker is no
+        longer probed (unless it is a seed); if it comes back, a router lists it again and it
+        is found and registered like a new one."""
+        membership = await asyncio.wait_for(
+            read_membership(self.redis, self.keys), self.settings.redis_timeout_ms / 1000
+        )
+        url_of = {node_id_for(url): url for url in self.known}
+        found = departures(
+            membership,
+            absent={node_id_for(url) for url in seen.failed}
+            | (membership.registered - url_of.keys()),
+            present={node_id_for(url) for url in seen.views},
+            placed={node for placed in placement.values() for node in placed.replicas()},
+            now_ms=SHARED.now_ms(),
+            grace_ms=self.settings.forget_after_ms,
+        )
+        # Forgotten here before the write: if the write fails, the id is still in `nodes` with
+        # its old `dead_since`, so the next round forgets it again.
+        for node_id in found.departed:
+            if (url := url_of.get(node_id)) is not None:
+                del self.known[url]
+                self.failures.pop(url, None)
+            self._report_bodies.forget(node_id)
+        return found
+
     # lag
 
     def _group(self) -> str:
@@ -685,7 +729,12 @@ class FaustAdapter:
 
     # publishing
 
-    async def _publish(self, seen: Round, placement: dict[int, PartitionAssignment]) -> None:
+    async def _publish(
+        self,
+        seen: Round,
+        placement: dict[int, PartitionAssignment],
+        leaving: Departures,
+    ) -> None:
         """Everything in one fenced transaction: only while we hold the lease."""
         assert self.topic is not None
         keys, store = self.keys, self.settings.store
@@ -709,6 +758,7 @@ class FaustAdapter:
                     self._publish_report(pipe, node_id, roles, generation, reports)
                 elif self.failures[url] >= self.settings.dead_after:
                     pipe.delete(keys.alive(node_id))
+            leaving.queue(pipe, keys, at)
             pipe.publish(keys.events, encode(Event("hosting", generation=generation)))
 
         at = SHARED.now_ms()
@@ -718,6 +768,12 @@ class FaustAdapter:
         )
         if not written:
             log.warning("round not published: the lease or assignment changed meanwhile")
+        elif leaving.departed:
+            log.info(
+                "departed workers forgotten",
+                nodes=leaving.departed,
+                forget_after_ms=self.settings.forget_after_ms,
+            )
 
     def _publish_live(self, pipe: Any, node_id: str, answered_at_ms: int) -> None:
         keys = self.keys
@@ -841,6 +897,13 @@ def add_command(adapters: Any) -> None:
         help="also publish standbys from "
         "/assignment/ (only if the app's view answers standby reads itself)",
     )
+    faust.add_argument(
+        "--forget-after-ms",
+        type=int,
+        default=DEFAULT_GRACE_MS,
+        help="a worker gone this long, and placed nowhere, leaves the contract "
+        "(default: 600000, kroute's leader's grace period)",
+    )
     faust.add_argument("--log-level", default="info", choices=("debug", "info", "warning"))
     faust.set_defaults(handler=command)
 
@@ -863,6 +926,7 @@ def settings_from(args: Any) -> FaustAdapterSettings:
         redis_timeout_ms=args.timeout_ms,
         lease_ms=args.lease_ms,
         standbys=args.standbys,
+        forget_after_ms=args.forget_after_ms,
     )
 
 

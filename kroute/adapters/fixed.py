@@ -17,7 +17,10 @@ honest about the two things a file cannot know:
   lag), never the active's freshness.
 
 The adapter is the only writer of its cluster's keys (give it a cluster name of its own); a
-lease in `leader` enforces it (`kroute.adapters.fencing`). The file is JSON:
+lease in `leader` enforces it (`kroute.adapters.fencing`). So a node id in `nodes` that the file
+does not name was described by an earlier file: it is forgotten (`common.departed`) once it has
+been out of the file for `forget_after_ms` (kroute's leader's grace period by default). A node
+the file names is never forgotten, dead or not: the file places it. The file is JSON:
 
     {"nodes": {"a": "http://10.0.0.5:8000", "b": "http://10.0.0.6:8000"},
      "stores": {"customers": {"topic": "customers", "partitions": 2, "key_format": "string",
@@ -62,10 +65,11 @@ from common.contract import (
     lag_field,
     write_node_report,
 )
+from common.departed import DEFAULT_GRACE_MS, Departures, departures, read_membership
 from kroute.adapters import probing
 from kroute.adapters.fencing import OwnerLease
 from kroute.adapters.probing import redis_url_error
-from kroute.agent import EndHistory
+from kroute.agent import EndHistory, conservative_report
 from kroute.errors import UsageError
 from materializer.kafka_offsets import fetch_high_watermarks
 from partitioner import ALGORITHMS, KEY_FORMATS
@@ -186,6 +190,9 @@ class PlacementFile(_Strict):
     health: Health = Health()
     lag: Annotated[UnknownLag | GroupLag, Field(discriminator="source")] = UnknownLag()
     lease_ms: int = Field(default=5000, ge=1000, description="the writer lease (fencing)")
+    forget_after_ms: int = Field(
+        default=DEFAULT_GRACE_MS, ge=0, description="a node out of the file this long is forgotten"
+    )
 
     @field_validator("nodes")
     @classmethod
@@ -361,9 +368,35 @@ class FixedPlacement:
         for (node_id, url), up in zip(nodes.items(), results, strict=True):
             self.failures[node_id] = 0 if up else self.failures[node_id] + 1
             self._note_change(node_id, url, up)
+        leaving = await self._departures()
         at = self.clock.now_ms()
-        if not await self.lease.write(self.spec.placements(), LEADER_ID, at, self._queue_round):
+
+        def queue(pipe: Any, generation: int) -> None:
+            self._queue_round(pipe, generation)
+            leaving.queue(pipe, self.keys, at)
+
+        if not await self.lease.write(self.spec.placements(), LEADER_ID, at, queue):
             log.warning("round not published: the lease or assignment changed meanwhile")
+        elif leaving.departed:
+            log.info(
+                "nodes no longer in the file forgotten",
+                nodes=leaving.departed,
+                forget_after_ms=self.spec.forget_after_ms,
+            )
+
+    async def _departures(self) -> Departures:
+        """Ids in `nodes` the file does not name (an earlier file's): their grace period
+        starts, and ends in forgetting them. Ids the file names are present, dead or not."""
+        membership = await read_membership(self.redis, self.keys)
+        named = set(self.spec.nodes)
+        return departures(
+            membership,
+            absent=membership.registered - named,
+            present=named,
+            placed=named,
+            now_ms=self.clock.now_ms(),
+            grace_ms=self.spec.forget_after_ms,
+        )
 
     def _queue_round(self, pipe: Any, generation: int) -> None:
         keys, at = self.keys, self.clock.now_ms()
@@ -437,8 +470,9 @@ class FixedPlacement:
 
         def queue(pipe: Any, generation: int) -> None:
             for node_id in self.spec.nodes:
-                reports = self._lag_reports(node_id, committed, at)
-                self._last_reports[node_id] = reports
+                read = self._lag_reports_as_read(node_id, committed, at)
+                self._last_reports[node_id] = read  # health rounds publish them again
+                reports = self._conservative(read)
                 hosting = Hosting(node_id, generation, self.spec.hosting_of(node_id), at)
                 write_node_report(
                     pipe,
@@ -488,6 +522,17 @@ class FixedPlacement:
         committed: Mapping[tuple[str, str, int], int],
         at: int,
     ) -> dict[tuple[str, int], PartitionReport]:
+        """A node's lag reports at `at`, their times mapped (never fresher than true after a
+        clock step)."""
+        return self._conservative(self._lag_reports_as_read(node_id, committed, at))
+
+    def _lag_reports_as_read(
+        self,
+        node_id: str,
+        committed: Mapping[tuple[str, str, int], int],
+        at: int,
+    ) -> dict[tuple[str, int], PartitionReport]:
+        """A node's lag reports at `at`, their times as this clock read them."""
         reports = {}
         for store, partition in self.reported(node_id):
             position = committed.get((node_id, store, partition))
@@ -495,13 +540,19 @@ class FixedPlacement:
                 continue
             history = self._ends.setdefault((node_id, store, partition), EndHistory())
             end, caught_up_at = history.report(position, at)
-            if caught_up_at is not None:  # never fresher than true after a clock step
-                caught_up_at = self.clock.conservative_ms(caught_up_at)
             # As of the end read (EndHistory.as_of): a caught-up replica's ages in
             # report:<id> then stay the same from one round to the next.
-            as_of = self.clock.conservative_ms(history.as_of(at))
+            as_of = history.as_of(at)
             reports[(store, partition)] = PartitionReport(position, end, None, caught_up_at, as_of)
         return reports
+
+    def _conservative(
+        self, reports: Mapping[tuple[str, int], PartitionReport]
+    ) -> dict[tuple[str, int], PartitionReport]:
+        """Reports with their times mapped now: the health rounds publish the last ones read
+        again until the next lag round, and mapped when read, one read before a backward
+        clock step would read fresher than true."""
+        return {where: conservative_report(r, self.clock) for where, r in reports.items()}
 
     def _still_hosted(self, hosting: Hosting) -> dict[tuple[str, int], PartitionReport]:
         """The last lag reports read for a node, of the partitions it still hosts."""
@@ -512,7 +563,7 @@ class FixedPlacement:
             for p in ps
         }
         last = self._last_reports.get(hosting.node_id, {})
-        return {where: report for where, report in last.items() if where in hosted}
+        return self._conservative({where: r for where, r in last.items() if where in hosted})
 
     async def _committed(
         self, admin: AIOKafkaAdminClient, lag: GroupLag, stores: Mapping[str, StoreInfo]
