@@ -489,6 +489,18 @@ class Node:
         }
 
 
+def _read_stamp(read_at_ms: int, at_ms: int) -> int:
+    """The stamp of a report made at `at_ms` from an end-offset read at `read_at_ms`: that
+    read's time, unless the shared clock stepped back since (`SharedClock.conservative_ms`
+    moves it). A read from before the step reads too late, and the clock cannot tell it from
+    one after: mapped, every such stamp would read older by the whole step until the clock
+    passes the old time, so a step of a few seconds would make every report look too old
+    to proxies (3 s by default) for as long, a read outage. The report's own time is true
+    instead, as it was before reports were stamped as of their reads; its caught-up age
+    (mapped, older) is then above 0, and the body changes, only in that window."""
+    return read_at_ms if SHARED.conservative_ms(read_at_ms) == read_at_ms else at_ms
+
+
 def _report_of(lag: PartitionLag, at_ms: int, *, stalled: bool) -> PartitionReport:
     """One partition's report at `at_ms`, stamped as of the end offset read its lag is
     measured against (the report's own time when no end is known): that is when its figures
@@ -498,9 +510,7 @@ def _report_of(lag: PartitionLag, at_ms: int, *, stalled: bool) -> PartitionRepo
     next, and so does the body (docs/redis-contract.md, "The compact report")."""
     end = lag.known_end(at_ms)  # unknown once the broker is not being read
     read_at = lag.end_offset_at_ms
-    # A read stamped before the clock stepped back reads too late: mapped, as caught-up times
-    # are (ClusterMember._conservative), so the two stay equal when they were.
-    as_of = at_ms if end is None or read_at is None else SHARED.conservative_ms(read_at)
+    as_of = at_ms if end is None or read_at is None else _read_stamp(read_at, at_ms)
     return PartitionReport(
         current_offset=lag.current_offset,
         end_offset=end,

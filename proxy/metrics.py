@@ -242,9 +242,10 @@ class ReplicaChoicesCollector(Collector):
     """Keyed requests sent to each replica: a series per (store, partition, node, role) the
     proxy ever sent to, so it grows with the table (12,000 series at 6,000 partitions with a
     standby each, 40-150 ms to render). Made to be rendered in a thread: it copies the
-    counters' dict in one C call (atomic under the GIL, while the loop may add a key; about
-    0.3 ms at 12,000), and a counter's value is one integer the C path increments under the
-    GIL."""
+    counters' dict with `dict.copy` (its table cloned in one C call that allocates no
+    collectable object, so no garbage collection, and no finalizer that could hand the GIL to
+    the loop, runs in the middle of it, while the loop may add a key), and a counter's value
+    is one integer the C path increments under the GIL."""
 
     def __init__(self, metrics: ProxyMetrics) -> None:
         self._metrics = metrics
@@ -254,8 +255,12 @@ class ReplicaChoicesCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         choices = _choices_family()
-        # Unsorted: a C sort of 12,000 keys would hold the GIL (the loop) for milliseconds.
-        for (store, partition, node, role), tally in list(self._metrics.choices.items()):
+        # Not list(choices.items()): that allocates a tuple per series, and on 3.11 a garbage
+        # collection can run inside it, with finalizers (Python code) that let the loop add a
+        # series mid-copy ("dictionary changed size during iteration"). Unsorted: a C sort of
+        # 12,000 keys would hold the GIL (the loop) for milliseconds.
+        counters = self._metrics.choices.copy()
+        for (store, partition, node, role), tally in counters.items():
             choices.add_metric([store, str(partition), node, role], tally.value)
         yield choices
 

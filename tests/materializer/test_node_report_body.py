@@ -96,6 +96,32 @@ def test_a_partition_outside_the_log_reports_no_time_as_of_the_report(node, monk
     assert (report.lag, report.caught_up_at_ms, report.updated_at_ms) == (None, None, t0 + 900)
 
 
+class SteppedBack:
+    """The shared clock just after stepping back `step_ms`: stamps up to `horizon` move back."""
+
+    def __init__(self, horizon: int, step_ms: int) -> None:
+        self.horizon, self.step_ms = horizon, step_ms
+
+    def conservative_ms(self, stamp_ms: int) -> int:
+        return stamp_ms - self.step_ms if stamp_ms <= self.horizon else stamp_ms
+
+
+def test_after_the_clock_steps_back_a_report_is_stamped_with_its_own_time_not_seconds_old(
+    node, monkeypatch
+):
+    t0 = now_ms()
+    node.state.lag.apply_ends({0: 8, 1: 8}, t0)
+    monkeypatch.setattr(node_module, "SHARED", SteppedBack(horizon=t0 + 5_000, step_ms=5_000))
+    monkeypatch.setattr(node_module, "now_ms", lambda: t0 + 200)
+    report = node._reports()[0]
+    # Mapped, the read would read 5 s old and every proxy (3 s by default) would refuse it.
+    assert report.updated_at_ms == t0 + 200
+    assert report.caught_up_at_ms is not None
+    assert report.caught_up_at_ms <= report.updated_at_ms  # never fresher than the stamp
+    monkeypatch.setattr(node_module, "SHARED", SteppedBack(horizon=t0 - 1, step_ms=5_000))
+    assert node._reports()[0].updated_at_ms == t0, "past the step: as of its read again"
+
+
 # -- a real node: report:<id> keeps its version while idle ----------------------------------------
 
 
