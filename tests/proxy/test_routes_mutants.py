@@ -5,10 +5,13 @@ answers a client gets for a bad key.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
+from proxy import _hotpath
 from proxy.errors import BadRequest, KeyRejected
-from proxy.hotpath_spec import HotRoute, hot_routes
+from proxy.hotpath_spec import HotRoute, c_serves_route, hot_routes
 from proxy.routes import RouteTable, compile_route
 from proxy.settings import RouteSpec
 
@@ -105,3 +108,31 @@ def test_no_query_string_means_no_parameter_whatever_its_name():
     with pytest.raises(KeyRejected) as missing:
         table.match("/q", None, NO_HEADERS)
     assert str(missing.value) == "missing query parameter 'XXXX' (the key)"
+
+
+def literal_path(segments: int) -> str:
+    return "/" + "/".join(f"s{i}" for i in range(segments))
+
+
+def test_the_c_path_serves_templates_up_to_its_segment_limit_and_no_longer():
+    """C keeps a route's literals in fixed arrays of MAX_SEGMENTS (proxy/_hotpath.c): a route
+    at the limit is C's, one segment more is the Python path's (which serves it the same)."""
+    limit = _hotpath.MAX_SEGMENTS
+    at_limit = compile_route(RouteSpec(path=literal_path(limit - 1) + "/{key}", store="s"))
+    over = compile_route(RouteSpec(path=literal_path(limit) + "/{key}", store="s"))
+    assert c_serves_route(at_limit)
+    assert not c_serves_route(over)  # its literals alone fit: the segments do not
+    every_segment_literal = compile_route(
+        RouteSpec(path=literal_path(limit), store="s", key="query:id")
+    )
+    assert len(every_segment_literal.literals) == limit
+    assert c_serves_route(every_segment_literal)
+
+
+def test_a_key_source_c_does_not_read_is_the_python_paths():
+    """A new key source starts as Python's (docs/proxy-hotpath.md): C is handed the route so
+    routes keep their order, marked as not served."""
+    cookie = dataclasses.replace(compile_route(SPECS[2]), key_source="cookie")
+    assert not c_serves_route(cookie)
+    (hot,) = hot_routes([cookie])
+    assert hot.c_serves is False
