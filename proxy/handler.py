@@ -157,7 +157,17 @@ class RequestHandler:
         """Renew cached choices that a new snapshot left standing (`snapshot.renewed`: their
         replicas changed, their choice did not): the same candidates in the same order, with
         the new replicas' lag for the answers' headers and the new replicas' expiry, so the
-        C path keeps serving them instead of sending a request here when they expire."""
+        C path keeps serving them instead of sending a request here when they expire.
+
+        Only a choice with less than half the staleness limit (`stale_after_ms`) to live:
+        every confirmation of a node's report names all its partitions, and renewing each on
+        every one (twice a second at the default sweep) was the largest part of the table's
+        CPU at thousands of partitions. A choice left alone is the choice the new replicas
+        give (that is what `renewed` means); its answers name an older report's lag until it
+        is renewed, which the cached choice may do anyway (`ChoiceStability`), and a time
+        lag from an older caught-up time, larger than the truth, never smaller. At the
+        default sweep (every node every 700 ms) and limit (3 s) a choice comes up for renewal
+        at least twice in its last 1.5 s."""
         if snapshot is not self.snapshot:
             return  # a newer table is in use: its replicas, not these, are the truth
         cache, route = self._choices.get(name), snapshot.stores.get(name)
@@ -165,10 +175,13 @@ class RequestHandler:
             return
         at = now_ms()
         policy = self.policy
+        renew_after = at + policy.stale_after_ms // 2  # expiring sooner than this: renewed
         for partition in partitions:
             cached = cache[partition]
             if cached is None or at >= cached.expires_ms:
                 continue  # none, or expired: the next request computes it
+            if cached.expires_ms > renew_after:
+                continue  # lives long enough: renewed by a later confirmation
             replicas = route.replicas[partition]
             expires = choice_expires_at(
                 replicas, policy.budget, now_ms=at, stale_after_ms=policy.stale_after_ms

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+from unittest.mock import patch
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -282,3 +283,37 @@ def test_a_node_rewriting_its_info_with_the_same_url_changes_nothing():
     third = table.snapshot(NOW)
     assert third.node_urls["n1"] == "http://n1:2"
     assert third.changed
+
+
+def test_a_cached_choice_with_long_to_live_is_left_alone_until_half_its_limit_remains():
+    asyncio.run(_renews_only_near_expiry())
+
+
+async def _renews_only_near_expiry() -> None:
+    """Renewing every kept choice on every confirmation cost most of the table's CPU: a
+    choice is renewed only when less than half the staleness limit (3 s here) remains."""
+    nodes = [f"n{i}" for i in range(4)]
+    handler = _handler()
+    table = TableBuilder(handler.choice_stability.same)
+    table.set_stores({"s": StoreInfo("s", "t", 8)})
+    table.set_assignment(Assignment(1, nodes[0], 0, {"s": round_robin(8, nodes, 1)}))
+    table.set_alive(set(nodes))
+    now = now_ms()
+    _cluster(table, nodes, 8, 0, now - 1_000)  # 1 s old: 2 s to live, more than 1.5 s
+    snapshot = _swap(table, handler, now)
+    handler._choice(snapshot.stores["s"], "s", 3, None)
+    first = handler._choices["s"][3]
+    assert first is not None
+
+    _cluster(table, nodes, 8, 0, now)  # a confirmation that moves only times
+    snapshot = _swap(table, handler, now)
+    assert snapshot.renewed == {"s": frozenset(range(8))}
+    assert handler._choices["s"][3] is first, "2 s left: kept as it is, not renewed"
+
+    _cluster(table, nodes, 8, 0, now + 1)
+    with patch("proxy.handler.now_ms", lambda: now + 600):  # 1.4 s left (of 3 s): renewed
+        snapshot = _swap(table, handler, now + 600)
+    renewed = handler._choices["s"][3]
+    assert renewed is not None
+    assert renewed is not first
+    assert renewed.expires_ms > first.expires_ms
