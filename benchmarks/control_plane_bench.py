@@ -702,7 +702,11 @@ def markdown(data: dict[str, Any]) -> str:
     return "\n".join(
         [
             "## Control plane at scale (issue 22)"
-            + (", replicas' ages moving as a real node's" if data.get("ages_move") else ""),
+            + (
+                ", replicas' ages moving (a writer stamping reports with their own time)"
+                if data.get("ages_move")
+                else ""
+            ),
             "",
             f"`{data['command']}` at {data['revision']}; {data['machine']}; the machine's "
             "1-minute load average after each size: "
