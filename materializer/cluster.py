@@ -453,20 +453,37 @@ class ClusterMember:
 
     async def _report_versions(self, node_ids: list[str]) -> dict[str, int]:
         """node id -> the body version its `report_at:<id>` names, for the nodes with a
-        readable one. (A malformed one is not logged here: every leader step would repeat
-        it; proxies and `kroute contract check` say so.)"""
+        readable and recent one. (A malformed one is not logged here: every leader step would
+        repeat it; proxies and `kroute contract check` say so.)
+
+        Recent: as of no more than `_stamp_limit_ms` ago. A writer of only `hosting` and `lag`
+        that took over a node id (a rolling downgrade, a third-party writer) leaves a body and
+        its `report_at:<id>` to expire after ten heartbeat TTLs, while `lag:<id>` moves on: the
+        node is then read from `lag:<id>`, as every node was. A live compact writer stamps one
+        on every report; a stamp read older (a dead node, a clock stepped back) costs only
+        that read of `lag:<id>`, which its writer wrote in the same transaction."""
         if not node_ids:
             return {}
         stamps = await self.redis.mget([self.keys.report_at(node_id) for node_id in node_ids])
+        oldest = self.clock.now_ms() - self._stamp_limit_ms()
         versions: dict[str, int] = {}
         for node_id, raw in zip(node_ids, stamps, strict=True):
             if raw is None:
                 continue
             try:
-                versions[node_id] = decode_report_at(raw)[0]
+                version, at_ms = decode_report_at(raw)
             except ContractError:
                 continue
+            if at_ms >= oldest:
+                versions[node_id] = version
         return versions
+
+    def _stamp_limit_ms(self) -> int:
+        """How old a `report_at:<id>` may be for its body to stand for `lag:<id>`: a heartbeat
+        TTL (a node reports every `report_interval_ms`, far more often), or two report
+        intervals if those are longer."""
+        timing = self.timing
+        return max(timing.alive_ttl_ms, 2 * timing.report_interval_ms)
 
     async def _read_bodies(self, node_ids: list[str], versions: Mapping[str, int]) -> None:
         """Read, decode and hold the `report:<id>` bodies of these nodes (their versions
