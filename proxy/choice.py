@@ -146,13 +146,12 @@ def choose_replicas(
             continue
         fresh = _fresh(replica, now_ms, stale_after_ms)
         lag = replica.lag if fresh and replica.lag is not None else 2**62
-        time_lag = replica.time_lag_ms(now_ms) if fresh else None
         order = (
             0 if replica.has_reached(min_offset) else 1,
             0 if fresh and _in_sync(replica) else 1,
             0 if replica.role == "active" else 1,
             lag,
-            2**62 if time_lag is None else time_lag,
+            staleness_rank(replica, fresh),
             replica.node_id,
         )
         (last_resort if replica.node_id in ejected else eligible).append((order, replica))
@@ -161,6 +160,20 @@ def choose_replicas(
     last_resort.sort(key=lambda entry: entry[0])
     candidates += [replica for _, replica in last_resort]
     return Choice(tuple(candidates), tuple(rejected), _spread_width([o for o, _ in eligible]))
+
+
+def staleness_rank(replica: Replica, fresh: bool) -> int:
+    """Orders replicas of equal lag by time lag, least first, with a rank that does not
+    change as time passes: the caught-up time, newest first. A time lag would do the same at
+    any moment but two: a lag of 0 without a caught-up time (time lag 0 forever) and a
+    caught-up time ahead of this clock (time lag 0 until it passes) both keep their place
+    while another replica's time lag grows, so the order of standbys would change before a
+    cached choice expires (`choice_expires_at` counts only staleness and the budget)."""
+    if not fresh:
+        return 2**62  # unknown
+    if replica.caught_up_at_ms is None:
+        return -(2**62) if replica.lag == 0 else 2**62  # time lag 0, or unknown
+    return -replica.caught_up_at_ms
 
 
 def _spread_width(orders: list[_Order]) -> int:

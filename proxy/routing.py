@@ -38,7 +38,7 @@ from common.contract import (
     StoreInfo,
 )
 from partitioner import KeyPartitioner
-from proxy.choice import LagBudget, Replica, UnknownLagPolicy
+from proxy.choice import LagBudget, Replica, UnknownLagPolicy, staleness_rank
 
 # No LRU in front of the hash: measured here with 100,000 distinct keys, a miss in
 # functools.lru_cache costs ~780 ns against ~250 ns for serialize + murmur2 + modulo, and a
@@ -253,12 +253,11 @@ class ChoiceStability:
 
         def key(replica: Replica) -> tuple[int, int, int, int, str]:
             fresh = self._fresh(replica, now_ms)
-            time_lag = replica.time_lag_ms(now_ms) if fresh else None
             return (
                 0 if fresh and _in_sync(replica) else 1,
                 0 if replica.role == "active" else 1,
                 replica.lag if fresh and replica.lag is not None else 2**62,
-                2**62 if time_lag is None else time_lag,
+                staleness_rank(replica, fresh),
                 replica.node_id,
             )
 
