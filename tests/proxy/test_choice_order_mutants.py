@@ -110,3 +110,30 @@ def test_a_caught_up_time_slightly_ahead_of_now_is_time_lag_0_never_negative():
     now: the time lag (and the header that carries it) is 0, never negative."""
     ahead = replica("a", caught_up_at_ms=NOW + 50)
     assert ahead.time_lag_ms(NOW) == 0
+
+
+def test_among_equal_lags_a_lag_0_without_a_time_ranks_before_any_caught_up_time():
+    """`staleness_rank`: lag 0 with no caught-up time is a time lag of 0, the least there is,
+    ahead of a replica caught up 10 ms ago and of one caught up "in the future"."""
+    assert order(
+        replica("n1", caught_up_at_ms=NOW - 10),
+        replica("n2", caught_up_at_ms=None),
+        replica("n3", caught_up_at_ms=NOW + 300),
+    ) == ["n2", "n3", "n1"]
+
+
+def test_among_equal_lags_a_newer_caught_up_time_ranks_first_even_ahead_of_the_clock():
+    """Ranked by the time itself, not by a time lag clamped at 0: two times ahead of the
+    clock keep the order they will have once it passes them."""
+    assert order(
+        replica("n1", caught_up_at_ms=NOW + 100),
+        replica("n2", caught_up_at_ms=NOW + 400),
+    ) == ["n2", "n1"]
+
+
+def test_a_stale_report_and_an_unknown_lag_rank_alike_whichever_node_is_named_first():
+    """Both unknown: neither is preferred, the node id decides (in both arrangements)."""
+    stale = {"lag": 3, "caught_up_at_ms": NOW - 50, "reported_at_ms": NOW - 60_000}
+    unknown = {"lag": None, "caught_up_at_ms": None}
+    assert order(replica("n1", **unknown), replica("n2", **stale)) == ["n1", "n2"]  # type: ignore[arg-type]
+    assert order(replica("n1", **stale), replica("n2", **unknown)) == ["n1", "n2"]  # type: ignore[arg-type]
