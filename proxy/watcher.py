@@ -632,7 +632,10 @@ class TableWatcher:
     async def _publish(self) -> None:
         """Recompute what changed (yielding between steps) and swap the new snapshot in."""
         table = self._table
-        if not table.pending and self.loaded:
+        holding = self._smaller_since_ms is not None
+        # While a smaller table is held back, every publish looks at it again (nothing may be
+        # pending: an empty Redis sends no reports), to keep the flag or accept it in time.
+        if not table.pending and self.loaded and not holding:
             self._settle(self.snapshot.built_at_ms)
             if self.clock.now_ms() - self.snapshot.built_at_ms >= self.refresh_interval_s * 1000:
                 confirmed = replace(
