@@ -130,6 +130,7 @@ class RequestHandler:
         urls_changed = snapshot.node_urls is not previous.node_urls or not self._targets
         if urls_changed:
             self._use_targets(snapshot.node_urls)
+            self.metrics.forget_nodes(snapshot.node_urls.keys())
         self.snapshot = snapshot
         sync_clock(self.hub)  # the C path reads the wall clock plus this offset
         changed = snapshot.changed

@@ -9,7 +9,7 @@ two up at scrape time.
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +65,16 @@ class ProxyMetrics:
         if tally is None:
             tally = self.choices[key] = Tally()
         return tally
+
+    def forget_nodes(self, registered: Collection[str]) -> None:
+        """Drop the per-replica and per-node series of nodes no longer registered (the
+        cluster forgets a departed node after its grace period): with node ids that change
+        (pods), they would otherwise grow for as long as the proxy runs. A table change that
+        changes the nodes' URLs calls this; a node that comes back counts from 0 again."""
+        keep = set(registered)
+        self.choices = {key: tally for key, tally in self.choices.items() if key[2] in keep}
+        self.node_requests = {n: tally for n, tally in self.node_requests.items() if n in keep}
+        self.node_failures = {k: count for k, count in self.node_failures.items() if k[0] in keep}
 
     def node_tally(self, node: str) -> Tally:
         tally = self.node_requests.get(node)

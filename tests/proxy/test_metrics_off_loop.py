@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 
 from prometheus_client.registry import Collector
 
@@ -68,3 +69,31 @@ def test_counting_choices_while_a_thread_renders_them_never_fails() -> None:
         stop.set()
         writer.join()
     assert len(next(iter(collector.collect())).samples) == len(metrics.choices)
+
+
+def test_a_forgotten_node_leaves_the_per_replica_and_per_node_series() -> None:
+    """Node ids that change (pods) must not grow /metrics for as long as the proxy runs."""
+    metrics = ProxyMetrics()
+    kept = metrics.choice_tally("s", 0, "a", "active")
+    metrics.choice_tally("s", 0, "gone", "standby")
+    kept_node = metrics.node_tally("a")
+    metrics.node_tally("gone")
+    metrics.node_failures[("gone", "timeout")] = 2
+    metrics.node_failures[("a", "timeout")] = 1
+    metrics.forget_nodes(["a", "b"])
+    assert metrics.choices == {("s", 0, "a", "active"): kept}
+    assert metrics.node_requests == {"a": kept_node}
+    assert metrics.node_failures == {("a", "timeout"): 1}
+
+
+def test_a_table_without_a_node_forgets_its_series_on_the_request_path() -> None:
+    async def scenario(harness: InProcessProxy) -> None:
+        proxy = harness.proxy
+        proxy.metrics.choice_tally("s", 1, "old-pod", "active")
+        proxy.metrics.node_tally("old-pod")
+        snapshot = proxy.handler.snapshot
+        proxy.handler.use_snapshot(replace(snapshot, node_urls=dict(snapshot.node_urls)))
+        assert all(key[2] != "old-pod" for key in proxy.metrics.choices)
+        assert "old-pod" not in proxy.metrics.node_requests
+
+    run("python", scenario)
