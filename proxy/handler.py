@@ -160,15 +160,16 @@ class RequestHandler:
         the new replicas' lag for the answers' headers and the new replicas' expiry, so the
         C path keeps serving them instead of sending a request here when they expire.
 
-        Only a choice with less than half the staleness limit (`stale_after_ms`) to live:
-        every confirmation of a node's report names all its partitions, and renewing each on
-        every one (twice a second at the default sweep) was the largest part of the table's
-        CPU at thousands of partitions. A choice left alone is the choice the new replicas
-        give (that is what `renewed` means); its answers name an older report's lag until it
-        is renewed, which the cached choice may do anyway (`ChoiceStability`), and a time
-        lag from an older caught-up time, larger than the truth, never smaller. At the
-        default sweep (every node every 700 ms) and limit (3 s) a choice comes up for renewal
-        at least twice in its last 1.5 s."""
+        A choice whose replicas' lags are unchanged (a confirmation that only moved times) is
+        renewed only when less than half the staleness limit (`stale_after_ms`) remains:
+        every confirmation names all its node's partitions, and renewing each on every one
+        (twice a second at the default sweep) was the largest part of the table's CPU at
+        thousands of partitions. Left alone, it is the choice the new replicas give (that is
+        what `renewed` means), and its answers' time lag comes from an older caught-up time:
+        larger than the truth, never smaller. A changed lag is renewed at once, so the
+        `x-kroute-lag` answers name follows the reports as before. At the default sweep
+        (every node every 700 ms) and limit (3 s) a choice comes up for renewal at least
+        twice in its last 1.5 s."""
         if snapshot is not self.snapshot:
             return  # a newer table is in use: its replicas, not these, are the truth
         cache, route = self._choices.get(name), snapshot.stores.get(name)
@@ -181,8 +182,8 @@ class RequestHandler:
             cached = cache[partition]
             if cached is None or at >= cached.expires_ms:
                 continue  # none, or expired: the next request computes it
-            if cached.expires_ms > renew_after:
-                continue  # lives long enough: renewed by a later confirmation
+            if cached.expires_ms > renew_after and _same_lags(cached, route.replicas[partition]):
+                continue  # only times moved, and it lives long enough: renewed later
             replicas = route.replicas[partition]
             expires = choice_expires_at(
                 replicas, policy.budget, now_ms=at, stale_after_ms=policy.stale_after_ms
@@ -381,6 +382,22 @@ class RequestHandler:
                 spread_width=choice.spread_width,
             )
         return choice, candidates
+
+
+def _same_lags(cached: Cached, replicas: tuple[Replica, ...]) -> bool:
+    """Whether every candidate's replica reports the lag it was cached with."""
+    for candidate in cached.candidates:
+        old = candidate.replica
+        if old is None:
+            return False
+        for replica in replicas:
+            if replica.node_id == old.node_id:
+                if replica.lag != old.lag:
+                    return False
+                break
+        else:
+            return False
+    return True
 
 
 def _renewed(

@@ -51,7 +51,11 @@ class FakeQuery:
             batch_id += 1
 
     def stop(self) -> None:
+        """Like Spark's, returns once the query's batches have ended (the pipeline may then
+        delete its checkpoint: a batch still writing its offset log there failed the test)."""
         self._stopped.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(5)
 
     def awaitTermination(self) -> None:  # noqa: N802 - Spark's name
         self._stopped.wait()

@@ -310,9 +310,17 @@ async def _renews_only_near_expiry() -> None:
     assert snapshot.renewed == {"s": frozenset(range(8))}
     assert handler._choices["s"][3] is first, "2 s left: kept as it is, not renewed"
 
-    _cluster(table, nodes, 8, 0, now + 1)
-    with patch("proxy.handler.now_ms", lambda: now + 600):  # 1.4 s left (of 3 s): renewed
-        snapshot = _swap(table, handler, now + 600)
+    _cluster(table, nodes, 8, 4, now)  # a lag moved (inside the budget): renewed at once
+    snapshot = _swap(table, handler, now)
+    moved = handler._choices["s"][3]
+    assert moved is not None
+    assert moved is not first
+    assert b"x-kroute-lag: 4\r\n" in moved.candidates[0].provenance
+    first = moved
+
+    _cluster(table, nodes, 8, 4, now + 1)
+    with patch("proxy.handler.now_ms", lambda: now + 1_600):  # 1.4 s left (of 3 s): renewed
+        snapshot = _swap(table, handler, now + 1_600)
     renewed = handler._choices["s"][3]
     assert renewed is not None
     assert renewed is not first
