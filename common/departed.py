@@ -9,10 +9,10 @@ every second, keeps every id that ever registered (Faust workers in pods get a n
 time they are replaced). A node that comes back is described again by the writer's next round.
 
 The grace period counts from `dead_since` in Redis (the earliest sighting wins: HSETNX), the
-same field kroute's leader keeps (`materializer/cluster.py`, whose forget step this copies: the
-import layers keep `common` below `materializer`), so it survives a restarted writer and a
-change of writer. Everything here is queued on the caller's pipeline: the adapters run it
-inside their fenced transaction, so only the lease holder forgets anything.
+same field kroute's leader keeps (`materializer/cluster.py`, which forgets through
+`queue_forget` too), so it survives a restarted writer and a change of writer. Everything
+here is queued on the caller's pipeline: the adapters run it inside their fenced
+transaction, so only the lease holder forgets anything.
 """
 
 from __future__ import annotations

@@ -57,6 +57,7 @@ from common.contract import (
     encode,
     write_node_report,
 )
+from common.departed import DEFAULT_GRACE_MS, queue_forget
 from materializer.assignment import Member, compute_assignment
 
 log = structlog.get_logger("kroute.materializer.cluster")
@@ -122,7 +123,7 @@ class ClusterTiming:
     leader_interval_ms: int = 500
     report_interval_ms: int = 250
     poll_interval_ms: int = 1000
-    grace_ms: int = 600_000
+    grace_ms: int = DEFAULT_GRACE_MS
     standbys: int = 1
     acceptable_recovery_lag: int = 10_000
 
@@ -329,14 +330,8 @@ class ClusterMember:
         )
         if not departed:
             return
-        keys = self.keys
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.srem(keys.nodes, *departed)
-            pipe.hdel(keys.dead_since, *departed)
-            for node_id in departed:
-                node_keys = (keys.node, keys.hosting, keys.lag, keys.report, keys.report_at)
-                pipe.delete(*(key(node_id) for key in node_keys))
-                pipe.publish(keys.events, encode(Event("node", node_id=node_id)))
+            queue_forget(pipe, self.keys, departed)
             await pipe.execute()
         log.info("departed nodes forgotten", nodes=departed, grace_ms=self.timing.grace_ms)
 
