@@ -223,13 +223,20 @@ def test_a_cached_choice_survives_reports_that_keep_it_and_is_renewed_from_them(
     asyncio.run(_keeps_and_renews())  # the upstream pool wants a running loop
 
 
-async def _keeps_and_renews() -> None:
-    nodes = [f"n{i}" for i in range(4)]
+def _handler_and_table(nodes: list[str]) -> tuple[RequestHandler, TableBuilder]:
+    """A handler and a builder judging by its stability: one store of 8 partitions over
+    `nodes`, one standby each, every node alive."""
     handler = _handler()
     table = TableBuilder(handler.choice_stability.same)
     table.set_stores({"s": StoreInfo("s", "t", 8)})
     table.set_assignment(Assignment(1, nodes[0], 0, {"s": round_robin(8, nodes, 1)}))
     table.set_alive(set(nodes))
+    return handler, table
+
+
+async def _keeps_and_renews() -> None:
+    nodes = [f"n{i}" for i in range(4)]
+    handler, table = _handler_and_table(nodes)
     now = now_ms()
     _cluster(table, nodes, 8, 0, now - 2_000)  # reports 2 s old: its choice expires in 1 s
     snapshot = _swap(table, handler, now)
@@ -293,11 +300,7 @@ async def _renews_only_near_expiry() -> None:
     """Renewing every kept choice on every confirmation cost most of the table's CPU: a
     choice is renewed only when less than half the staleness limit (3 s here) remains."""
     nodes = [f"n{i}" for i in range(4)]
-    handler = _handler()
-    table = TableBuilder(handler.choice_stability.same)
-    table.set_stores({"s": StoreInfo("s", "t", 8)})
-    table.set_assignment(Assignment(1, nodes[0], 0, {"s": round_robin(8, nodes, 1)}))
-    table.set_alive(set(nodes))
+    handler, table = _handler_and_table(nodes)
     now = now_ms()
     _cluster(table, nodes, 8, 0, now - 1_000)  # 1 s old: 2 s to live, more than 1.5 s
     snapshot = _swap(table, handler, now)
