@@ -182,6 +182,7 @@ static PyMemberDef Candidate_members[] = {
     {"idle", T_OBJECT, offsetof(Candidate, idle), READONLY, NULL},
     {"choice_tally", T_OBJECT, offsetof(Candidate, choice_tally), READONLY, NULL},
     {"node_tally", T_OBJECT, offsetof(Candidate, node_tally), READONLY, NULL},
+    {"caught_up_at_ms", T_LONGLONG, offsetof(Candidate, caught_up_at_ms), READONLY, NULL},
     {NULL},
 };
 
@@ -248,6 +249,34 @@ static void Cached_dealloc(Cached *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
+/* Renew in place a choice whose candidates are still the table's replicas (only their report
+ * clocks moved, proxy.choice.ReportClock): a later expiry, and each candidate's caught-up time
+ * read again from its replica, instead of a new Cached and new Candidates for every renewal.
+ * The expiry never moves earlier; everything here runs on the event loop, as requests do. */
+static PyObject *Cached_extend(Cached *self, PyObject *arg) {
+    long long expires_ms = PyLong_AsLongLong(arg);
+    if (expires_ms == -1 && PyErr_Occurred()) return NULL;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(self->candidates); i++) {
+        Candidate *candidate = (Candidate *)PyTuple_GET_ITEM(self->candidates, i);
+        if (candidate->replica == Py_None) continue;
+        PyObject *value = PyObject_GetAttrString(candidate->replica, "caught_up_at_ms");
+        if (value == NULL) return NULL;
+        long long caught_up = value == Py_None ? -1 : PyLong_AsLongLong(value);
+        Py_DECREF(value);
+        if (caught_up == -1 && PyErr_Occurred()) return NULL; /* (those before it: read right) */
+        candidate->caught_up_at_ms = caught_up;
+    }
+    if (expires_ms > self->expires_ms) self->expires_ms = expires_ms;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef Cached_methods[] = {
+    {"extend", (PyCFunction)Cached_extend, METH_O,
+     "Renew in place: a later expiry, candidates' caught-up times read again from their "
+     "replicas."},
+    {NULL},
+};
+
 static PyMemberDef Cached_members[] = {
     {"choice", T_OBJECT, offsetof(Cached, choice), READONLY, NULL},
     {"candidates", T_OBJECT, offsetof(Cached, candidates), READONLY, NULL},
@@ -266,6 +295,7 @@ static PyTypeObject CachedType = {
     .tp_clear = (inquiry)Cached_clear,
     .tp_dealloc = (destructor)Cached_dealloc,
     .tp_members = Cached_members,
+    .tp_methods = Cached_methods,
     .tp_doc = "A replica choice with the moment it stops being exact.",
 };
 

@@ -27,6 +27,7 @@ class Candidate:
     idle: list[Any]
     choice_tally: Tally | None
     node_tally: Tally
+    caught_up_at_ms: int  # -1 when unknown
     def __init__(
         self,
         target: Any,
@@ -52,6 +53,7 @@ class Cached:
         expires_ms: int,
         spread_width: int = 1,
     ) -> None: ...
+    def extend(self, expires_ms: int, /) -> None: ...
 
 class Hub:
     enabled: int

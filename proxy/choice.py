@@ -69,16 +69,135 @@ def _stricter(a: int | None, b: int | None) -> int | None:
     return a if b is None else min(a, b)
 
 
-@dataclass(frozen=True, slots=True)
+class ReportClock:
+    """How far a node's report times have moved since the table built its replicas' rows.
+
+    A node that confirms an unchanged report later moves every time in it by the same amount
+    ("caught up at", "reported at"). Its replicas read their times through this one number, so
+    the table moves them all with one write (`TableBuilder.shift_node`) instead of rebuilding
+    every row that holds one of them. A replica without a clock holds its times as given."""
+
+    __slots__ = ("shift_ms",)
+
+    def __init__(self, shift_ms: int = 0) -> None:
+        self.shift_ms = shift_ms
+
+    def __repr__(self) -> str:
+        return f"ReportClock(shift_ms={self.shift_ms})"
+
+
 class Replica:
+    """One node's replica of a partition, as the routing table holds it.
+
+    Compared and hashed by what it says (its times as they read now), not by its clock: two
+    replicas with the same values are equal whether their times come through a clock or not.
+    Treated as immutable: nothing sets its attributes after it is made; only its node's
+    clock moves its times (both forward, by the same amount)."""
+
+    __slots__ = (
+        "_caught_up_at_ms",
+        "_reported_at_ms",
+        "alive",
+        "clock",
+        "lag",
+        "node_id",
+        "position",
+        "role",
+        "url",
+    )
     node_id: str
     url: str
     role: Role
     alive: bool
     lag: int | None  # offsets behind the high watermark; None when no report
-    caught_up_at_ms: int | None  # last time seen with lag 0
-    reported_at_ms: int | None
-    position: int | None = None  # the store's next offset, as last reported
+    position: int | None  # the store's next offset, as last reported
+    clock: ReportClock | None
+
+    def __init__(  # noqa: PLR0917 (positional, as the dataclass it replaced was built)
+        self,
+        node_id: str,
+        url: str,
+        role: Role,
+        alive: bool,
+        lag: int | None,
+        caught_up_at_ms: int | None,  # last time seen with lag 0
+        reported_at_ms: int | None,
+        position: int | None = None,
+        clock: ReportClock | None = None,
+    ) -> None:
+        self.node_id = node_id
+        self.url = url
+        self.role = role
+        self.alive = alive
+        self.lag = lag
+        self._caught_up_at_ms = caught_up_at_ms
+        self._reported_at_ms = reported_at_ms
+        self.position = position
+        self.clock = clock
+
+    @property
+    def caught_up_at_ms(self) -> int | None:
+        at, clock = self._caught_up_at_ms, self.clock
+        return at if at is None or clock is None else at + clock.shift_ms
+
+    @property
+    def reported_at_ms(self) -> int | None:
+        at, clock = self._reported_at_ms, self.clock
+        return at if at is None or clock is None else at + clock.shift_ms
+
+    @property
+    def times(self) -> tuple[int | None, int | None]:
+        """(caught up at, reported at), as they read now."""
+        return self.caught_up_at_ms, self.reported_at_ms
+
+    @property
+    def has_times(self) -> bool:
+        """Whether it holds a time a clock moves."""
+        return self._caught_up_at_ms is not None or self._reported_at_ms is not None
+
+    def on_clock(self, clock: ReportClock) -> Replica:
+        """This replica with its times read through `clock` instead of its own clock (the
+        same times as given, moved by `clock` instead)."""
+        return Replica(
+            self.node_id,
+            self.url,
+            self.role,
+            self.alive,
+            self.lag,
+            self._caught_up_at_ms,
+            self._reported_at_ms,
+            self.position,
+            clock,
+        )
+
+    def _values(self) -> tuple[object, ...]:
+        return (
+            self.node_id,
+            self.url,
+            self.role,
+            self.alive,
+            self.lag,
+            self.caught_up_at_ms,
+            self.reported_at_ms,
+            self.position,
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, Replica):
+            return NotImplemented
+        return self._values() == other._values()
+
+    def __hash__(self) -> int:
+        return hash(self._values())
+
+    def __repr__(self) -> str:
+        return (
+            f"Replica(node_id={self.node_id!r}, url={self.url!r}, role={self.role!r}, "
+            f"alive={self.alive!r}, lag={self.lag!r}, caught_up_at_ms={self.caught_up_at_ms!r}, "
+            f"reported_at_ms={self.reported_at_ms!r}, position={self.position!r})"
+        )
 
     def has_reached(self, min_offset: int | None) -> bool:
         """Whether its last report shows `min_offset` applied (None: no bound). Reports only
@@ -90,9 +209,10 @@ class Replica:
 
         Even a replica that reported lag 0 is behind by up to the age of that report (records
         keep arriving), so this is never 0 by itself; 0 only for lag 0 with no time known."""
-        if self.caught_up_at_ms is None:
+        caught_up_at_ms = self.caught_up_at_ms
+        if caught_up_at_ms is None:
             return 0 if self.lag == 0 else None
-        return max(now_ms - self.caught_up_at_ms, 0)
+        return max(now_ms - caught_up_at_ms, 0)
 
 
 @dataclass(frozen=True, slots=True)

@@ -169,7 +169,11 @@ class RequestHandler:
         larger than the truth, never smaller. A changed lag is renewed at once, so the
         `x-kroute-lag` answers name follows the reports as before. At the default sweep
         (every node every 700 ms) and limit (3 s) a choice comes up for renewal at least
-        twice in its last 1.5 s."""
+        twice in its last 1.5 s.
+
+        A choice whose candidates are still the row's replica objects (the table moved only
+        their report clocks, `proxy.choice.ReportClock`) is renewed in place (`Cached.extend`):
+        a later expiry and the candidates' caught-up times read again, nothing made anew."""
         if snapshot is not self.snapshot:
             return  # a newer table is in use: its replicas, not these, are the truth
         cache, route = self._choices.get(name), snapshot.stores.get(name)
@@ -188,7 +192,11 @@ class RequestHandler:
             expires = choice_expires_at(
                 replicas, policy.budget, now_ms=at, stale_after_ms=policy.stale_after_ms
             )
-            if expires > cached.expires_ms:
+            if expires <= cached.expires_ms:
+                continue
+            if _holds_the_rows_replicas(cached, replicas):
+                cached.extend(expires)  # only their clocks moved: nothing to make again
+            else:
                 cache[partition] = _renewed(cached, replicas, partition, expires)
 
     def _use_targets(self, node_urls: Mapping[str, str]) -> None:
@@ -396,6 +404,17 @@ def _same_lags(cached: Cached, replicas: tuple[Replica, ...]) -> bool:
                     return False
                 break
         else:
+            return False
+    return True
+
+
+def _holds_the_rows_replicas(cached: Cached, replicas: tuple[Replica, ...]) -> bool:
+    """Whether every candidate names the very replica object the row holds for its node (the
+    table moved only their report clocks since), so the choice needs only a later expiry and
+    the candidates' caught-up times read again (`Cached.extend`)."""
+    for candidate in cached.candidates:
+        replica = candidate.replica
+        if replica is None or not any(held is replica for held in replicas):
             return False
     return True
 

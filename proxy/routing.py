@@ -19,9 +19,13 @@ choices it cached for them (the C path serving them) until they expire by time.
 
 At steady state most updates are less than that: a node confirms its unchanged report at a
 later time, which moves every time in its reports by the same amount and nothing else
-(`TableBuilder.shift_node`). The builder then rebuilds the rows it touches from the rows
-themselves, replacing only that node's replicas (the others are kept, the same objects, which
-`ChoiceStability.same` passes over), instead of from the assignment, hostings and reports.
+(`TableBuilder.shift_node`). Its replicas read their times through one `ReportClock` per node,
+so when `ChoiceStability` can tell from the node's times and rows that moving them later
+changes no choice, the builder moves that clock and touches no row: one write for the node,
+whatever its share of the table. Otherwise it rebuilds the rows it touches from the rows
+themselves, replacing only that node's replicas (on a new clock; the others are kept, the same
+objects, which `ChoiceStability.same` passes over), instead of from the assignment, hostings and
+reports.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from common.contract import (
     StoreInfo,
 )
 from partitioner import KeyPartitioner
-from proxy.choice import LagBudget, Replica, UnknownLagPolicy, staleness_rank
+from proxy.choice import LagBudget, Replica, ReportClock, UnknownLagPolicy, staleness_rank
 
 # No LRU in front of the hash: measured here with 100,000 distinct keys, a miss in
 # functools.lru_cache costs ~780 ns against ~250 ns for serialize + murmur2 + modulo, and a
@@ -129,6 +133,7 @@ def _replicas(
     hostings: Mapping[str, Hosting],
     report_of: Callable[[str, str, int], ReportFields | None],
     alive: frozenset[str] | set[str],
+    clock_of: Callable[[str], ReportClock | None] = lambda _node_id: None,
 ) -> tuple[Replica, ...]:
     """One partition's replicas: placed by the assignment and served in that role."""
     if placed is None:
@@ -155,6 +160,7 @@ def _replicas(
                 caught_up_at_ms=caught_up_at_ms,
                 reported_at_ms=reported_at_ms,
                 position=position,
+                clock=clock_of(node_id),
             )
         )
     return tuple(replicas)
@@ -177,9 +183,6 @@ def _fields_of(report: PartitionReport) -> ReportFields:
 
 
 Row = tuple[Replica, ...]  # one partition's replicas
-# Whether a partition's new row gives the choice its old row gave, from now until the old row's
-# choice expires (see ChoiceStability.same); None in the builder: any difference counts.
-SameChoice = Callable[[Row, Row, int], bool]
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,21 +250,51 @@ class ChoiceStability:
             and self._same_time_side(before, after, now_ms)
         )
 
+    def later_times_keep_standing(
+        self, caught_up_at_ms: int | None, reported_at_ms: int | None, now_ms: int
+    ) -> bool:
+        """Whether a replica with these times (as they read now) is treated as it is now, by
+        every choice made since they were set, when they move later: fresh (or without a
+        report) and inside the time budget (or without a caught-up time). Later times can
+        make a stale report fresh and bring a time lag back inside the budget, nothing else."""
+        if reported_at_ms is not None and now_ms - reported_at_ms > self.stale_after_ms:
+            return False
+        limit = self.budget.max_ms
+        return limit is None or caught_up_at_ms is None or now_ms - caught_up_at_ms <= limit
+
+    def later_times_keep_order(self, row: Row, node_id: str, now_ms: int) -> bool:
+        """Whether moving `node_id`'s times later keeps the row's order (its standing kept:
+        `later_times_keep_standing`). Only a standby among several can move: later times rank
+        it before standbys it sorts alike with but for its caught-up time, so it must already
+        be before every one of them."""
+        if sum(replica.role == "standby" for replica in row) < 2:
+            return True  # what `same` needs of the order, too
+        mine = next((r for r in row if r.node_id == node_id), None)
+        if mine is None or mine.role != "standby":
+            return True
+        key = self._key(mine, now_ms)
+        return not any(
+            other is not mine
+            and other.role == "standby"
+            and (k := self._key(other, now_ms)) < key
+            and k[:3] == key[:3]
+            for other in row
+        )
+
     def _order(self, row: Row, now_ms: int) -> list[str]:
         """The row's node ids sorted as `proxy.choice` sorts candidates (without the ejected
         and read-your-writes parts, which cached choices do not depend on)."""
+        return [replica.node_id for replica in sorted(row, key=lambda r: self._key(r, now_ms))]
 
-        def key(replica: Replica) -> tuple[int, int, int, int, str]:
-            fresh = self._fresh(replica, now_ms)
-            return (
-                0 if fresh and _in_sync(replica) else 1,
-                0 if replica.role == "active" else 1,
-                replica.lag if fresh and replica.lag is not None else 2**62,
-                staleness_rank(replica, fresh),
-                replica.node_id,
-            )
-
-        return [replica.node_id for replica in sorted(row, key=key)]
+    def _key(self, replica: Replica, now_ms: int) -> tuple[int, int, int, int, str]:
+        fresh = self._fresh(replica, now_ms)
+        return (
+            0 if fresh and _in_sync(replica) else 1,
+            0 if replica.role == "active" else 1,
+            replica.lag if fresh and replica.lag is not None else 2**62,
+            staleness_rank(replica, fresh),
+            replica.node_id,
+        )
 
     def _fresh(self, replica: Replica, now_ms: int) -> bool:
         reported = replica.reported_at_ms
@@ -314,22 +347,6 @@ def _same_partitions(before: Hosting, after: Hosting) -> bool:
     return before.stores is after.stores or before.stores == after.stores
 
 
-def _with_fields(replica: Replica, fields: ReportFields) -> Replica:
-    """The replica with its report's fields replaced (what `_replicas` would build)."""
-    lag, caught_up_at_ms, reported_at_ms, position = fields
-    # Built directly: dataclasses.replace inspects the fields on every call (~3x the cost).
-    return Replica(
-        replica.node_id,
-        replica.url,
-        replica.role,
-        replica.alive,
-        lag,
-        caught_up_at_ms,
-        reported_at_ms,
-        position,
-    )
-
-
 def _url_of(info: NodeInfo | None) -> str | None:
     return None if info is None else info.url
 
@@ -345,16 +362,21 @@ class TableBuilder:
     everything (rare: a rebalance).
 
     `changed` in each snapshot names the partitions whose rows differ from the previous
-    snapshot's, less those `same_choice` (when set) says still give the same choice."""
+    snapshot's, less those `stability` (when set) says still give the same choice.
 
-    def __init__(self, same_choice: SameChoice | None = None) -> None:
-        self.same_choice = same_choice
+    A node's replicas read their report times through its `ReportClock`: `reports` holds
+    the times as its last `set_node` gave them, and the node's clock how far confirmations
+    have moved them since (`report_fields` gives them as they read now)."""
+
+    def __init__(self, stability: ChoiceStability | None = None) -> None:
+        self.stability = stability
         self.stores: dict[str, StoreInfo] = {}
         self.assignment: Assignment | None = None
         self.nodes: dict[str, NodeInfo] = {}
         self.alive: set[str] = set()
         self.hostings: dict[str, Hosting] = {}
         self.reports: dict[str, dict[tuple[str, int], ReportFields]] = {}
+        self._clocks: dict[str, ReportClock] = {}  # one for every node in `reports`
         self._rows: dict[str, list[tuple[Replica, ...]]] = {}
         self._partitioners: dict[str, KeyPartitioner] = {}
         self._made: dict[tuple[str, str, int], KeyPartitioner] = {}
@@ -364,6 +386,14 @@ class TableBuilder:
         # partitions they are placed on (recomputed from their rows unless also touched).
         self._shifted: set[str] = set()
         self._moved: set[tuple[str, int]] = set()
+        # Nodes whose clock `shift_node` moved in place (no row touched): the partitions
+        # holding their replicas are named renewed by the next rebuild.
+        self._clock_moved: set[str] = set()
+        self._shift_at_rebuild: dict[str, int] = {}  # theirs before the first such move
+        # Nodes whose rows do not all hold their current clock yet (touched or moved, to be
+        # rebuilt): a later shift moves that clock in place, whatever it changes, since the
+        # rebuild compares each of those rows with its last one anyway.
+        self._rows_behind: set[str] = set()
         self._everything = True
         self._node_urls: Mapping[str, str] = {}
         self._alive_frozen: frozenset[str] = frozenset()
@@ -412,25 +442,32 @@ class TableBuilder:
             # the request path rebuild its targets and forget every cached choice.
             self._node_urls = {}  # rebuilt at the next snapshot
             self._membership_changed = True
-        elif hosting == self.hostings.get(node_id) and fields == self.reports.get(node_id, {}):
+        elif hosting == self.hostings.get(node_id) and fields == self.report_fields(node_id):
             return
         if hosting is None:
             self.hostings.pop(node_id, None)
         else:
             self.hostings[node_id] = hosting
         self.reports[node_id] = fields
+        self._retire_clock(node_id)
+        self._clocks[node_id] = ReportClock()  # the rows rebuilt from these read through it
+        self._rows_behind.add(node_id)
         self._touch(node_id)
 
     def shift_node(
-        self, node_id: str, delta_ms: int, hosting: Hosting
+        self, node_id: str, delta_ms: int, hosting: Hosting, now_ms: int | None = None
     ) -> Mapping[Where, ReportFields]:
         """The node's last report confirmed `delta_ms` later: every time in its reports
         ("caught up at", "reported at") moves by `delta_ms`, its hosting becomes `hosting`,
         and nothing else changes; the caller knows the reports it gave last, less their times,
         still hold (the watcher: the same `report:<id>` body and end offsets). What
-        `set_node` with those reports would do, without building or comparing them, and its
-        partitions' rows are rebuilt from themselves (only this node's replicas replaced).
-        Returns the node's reports as now held."""
+        `set_node` with those reports would do, without building or comparing them.
+
+        When `stability` tells (as of `now_ms`) that later times change no choice of the
+        node's partitions, its clock moves and no row is touched; the partitions holding its
+        replicas are named renewed. Otherwise the node gets a new clock and its partitions'
+        rows are rebuilt from themselves (only its replicas replaced) and compared.
+        Returns the node's reports as held (times as set, before the clock)."""
         before = self.hostings.get(node_id)
         fields = self.reports.get(node_id)
         if before is None or fields is None or not _same_partitions(before, hosting):
@@ -438,22 +475,68 @@ class TableBuilder:
         self.hostings[node_id] = hosting
         if delta_ms == 0:
             return fields
-        moved = self.reports[node_id] = {
+        clock = self._clocks[node_id]
+        if node_id in self._rows_behind:
+            clock.shift_ms += delta_ms
+        elif delta_ms > 0 and now_ms is not None and self._later_keeps_choices(node_id, now_ms):
+            self._shift_at_rebuild.setdefault(node_id, clock.shift_ms)
+            clock.shift_ms += delta_ms
+            self._clock_moved.add(node_id)
+        else:
+            shift_ms = clock.shift_ms + delta_ms
+            self._retire_clock(node_id)
+            self._clocks[node_id] = ReportClock(shift_ms)
+            self._rows_behind.add(node_id)
+            self._shifted.add(node_id)
+            self._moved.update(self._placed_on.get(node_id, ()))
+        return fields
+
+    def _retire_clock(self, node_id: str) -> None:
+        """The node's rows are to be rebuilt on a new clock and compared with what they are:
+        the old clock goes back to where the last rebuild left it, so they are compared with
+        what the request path's cached choices were renewed from (a move since then reached
+        no cached choice), not with times moved since."""
+        if node_id in self._clock_moved:
+            self._clock_moved.discard(node_id)
+            self._clocks[node_id].shift_ms = self._shift_at_rebuild.pop(node_id)
+
+    def _later_keeps_choices(self, node_id: str, now_ms: int) -> bool:
+        """Whether moving the node's times later changes no choice its rows give: each of its
+        replicas keeps its standing, and each row its order (`ChoiceStability`)."""
+        stability = self.stability
+        if stability is None:
+            return False
+        for _lag, caught_up, reported, _position in self.report_fields(node_id).values():
+            if not stability.later_times_keep_standing(caught_up, reported, now_ms):
+                return False
+        rows = self._rows
+        for store, partition in self._placed_on.get(node_id, ()):
+            row = rows[store][partition]
+            if not stability.later_times_keep_order(row, node_id, now_ms):
+                return False
+        return True
+
+    def report_fields(self, node_id: str) -> Mapping[Where, ReportFields]:
+        """The node's reports with their times as they read now (through its clock)."""
+        fields = self.reports.get(node_id, {})
+        clock = self._clocks.get(node_id)
+        if clock is None or clock.shift_ms == 0:
+            return fields
+        shift = clock.shift_ms
+        return {
             where: (
                 lag,
-                None if caught_up is None else caught_up + delta_ms,
-                None if reported is None else reported + delta_ms,
+                None if caught_up is None else caught_up + shift,
+                None if reported is None else reported + shift,
                 position,
             )
             for where, (lag, caught_up, reported, position) in fields.items()
         }
-        self._shifted.add(node_id)
-        self._moved.update(self._placed_on.get(node_id, ()))
-        return moved
 
     def forget_node(self, node_id: str) -> None:
         self.set_node(node_id, None, None, {})
         self.reports.pop(node_id, None)
+        self._clocks.pop(node_id, None)
         if node_id in self.alive:
             self.alive.discard(node_id)
             self._membership_changed = True
@@ -466,12 +549,16 @@ class TableBuilder:
     @property
     def pending(self) -> bool:
         return (
-            self._everything or bool(self._touched) or bool(self._moved) or self._membership_changed
+            self._everything
+            or bool(self._touched)
+            or bool(self._moved)
+            or bool(self._clock_moved)
+            or self._membership_changed
         )
 
     def rebuild(self, now_ms: int = 0) -> Iterator[int]:
         """Recompute what updates touched; yields after every step (the partitions done).
-        `now_ms` is the time `same_choice` judges by."""
+        `now_ms` is the time `stability` judges by."""
         if self._everything:
             yield from self._rebuild_everything()
             return
@@ -479,6 +566,9 @@ class TableBuilder:
         moved = list(self._moved - self._touched)
         touched, self._touched = list(self._touched), set()
         shifted, self._shifted, self._moved = self._shifted, set(), set()
+        clock_moved, self._clock_moved = self._clock_moved, set()
+        self._shift_at_rebuild = {}
+        self._rows_behind = set()  # every row of theirs is rebuilt below
         for start in range(0, len(touched), STEP_PARTITIONS):
             for store, partition in touched[start : start + STEP_PARTITIONS]:
                 self._recompute(store, partition, now_ms)
@@ -487,11 +577,32 @@ class TableBuilder:
             for store, partition in moved[start : start + STEP_PARTITIONS]:
                 self._move_times(store, partition, shifted, now_ms)
             yield len(touched) + min(start + STEP_PARTITIONS, len(moved))
+        done = len(touched) + len(moved)
+        for node_id in clock_moved:  # a node's partitions a step (a few dozen)
+            done += self._renew_clock_moved(node_id)
+            yield done
+
+    def _renew_clock_moved(self, node_id: str) -> int:
+        """Name renewed the partitions whose rows hold a replica of the node with a time its
+        clock moved (what comparing its rows would have named: the same choice); returns how
+        many partitions it looked at."""
+        placed = self._placed_on.get(node_id, ())
+        if self._changed is None:
+            return len(placed)
+        rows, renewed = self._rows, self._renewed
+        for store, partition in placed:
+            for replica in rows[store][partition]:
+                if replica.node_id == node_id and replica.has_times:
+                    renewed.setdefault(store, set()).add(partition)
+                    break
+        return len(placed)
 
     def _rebuild_everything(self) -> Iterator[int]:
         self._everything = False
         self._touched = set()
         self._shifted, self._moved = set(), set()
+        self._clock_moved, self._rows_behind = set(), set()
+        self._shift_at_rebuild = {}
         self._changed = None
         self._placed_on = {}
         self._partitioners = {name: self._partitioner(info) for name, info in self.stores.items()}
@@ -530,37 +641,35 @@ class TableBuilder:
             hostings=self.hostings,
             report_of=self._report,
             alive=self.alive,
+            clock_of=self._clocks.get,
         )
         self._classify(store, partition, old, new, now_ms)
 
     def _move_times(self, store: str, partition: int, shifted: set[str], now_ms: int) -> None:
         """Recompute a partition only `shift_node` touched: its row is what it was (nothing
         else about it changed since it was computed, or it would be touched) with the shifted
-        nodes' replicas taking their reports' new times; the others stay the same objects."""
+        nodes' replicas on their new clocks; the others stay the same objects."""
         rows = self._rows.get(store)
         if rows is None or partition >= len(rows):
             return
         old = rows[partition]
-        where = (store, partition)
-        reports = self.reports
+        clocks = self._clocks
         row: list[Replica] = []
-        differs = False  # cheaper than comparing the rows: this runs for every moved row
+        replaced = differs = False  # cheaper than comparing the rows: this runs for every one
         for replica in old:
             if replica.node_id in shifted:
-                # (.get: a node forgotten while a rebuild yielded touched this row for the next)
-                fields = reports.get(replica.node_id, {}).get(where) or _NO_REPORT
-                if fields != (
-                    replica.lag,
-                    replica.caught_up_at_ms,
-                    replica.reported_at_ms,
-                    replica.position,
-                ):
-                    replica = _with_fields(replica, fields)  # noqa: PLW2901 (the row's replica)
-                    differs = True
+                # (None: a node forgotten while a rebuild yielded touched this row for the next)
+                clock = clocks.get(replica.node_id)
+                if clock is not None and replica.clock is not clock:
+                    moved = replica.on_clock(clock)
+                    replaced = True
+                    differs = differs or moved.times != replica.times
+                    replica = moved  # noqa: PLW2901 (the row's replica)
             row.append(replica)
-        if differs:
+        if replaced:  # on the current clock even without times to move (later shifts move it)
             new = rows[partition] = tuple(row)
-            self._classify(store, partition, old, new, now_ms, differs=True)
+            if differs:
+                self._classify(store, partition, old, new, now_ms, differs=True)
 
     def _classify(
         self, store: str, partition: int, old: Row, new: Row, now_ms: int, *, differs: bool = False
@@ -569,7 +678,7 @@ class TableBuilder:
         stays, else changed."""
         if self._changed is None or not (differs or new != old):
             return
-        if self.same_choice is not None and self.same_choice(old, new, now_ms):
+        if self.stability is not None and self.stability.same(old, new, now_ms):
             self._renewed.setdefault(store, set()).add(partition)
         else:
             self._changed.setdefault(store, set()).add(partition)

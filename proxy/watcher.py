@@ -97,8 +97,8 @@ from common.contract import (
 from proxy.routing import (
     EMPTY,
     STEP_PARTITIONS,
+    ChoiceStability,
     RoutingSnapshot,
-    SameChoice,
     TableBuilder,
 )
 
@@ -247,14 +247,14 @@ class TableWatcher:
         self.stall_report_ms: int | None = None
         self._full_collect_s = time.monotonic()
 
-    def keep_choices(self, same_choice: SameChoice, renew: Renew) -> None:
+    def keep_choices(self, stability: ChoiceStability, renew: Renew) -> None:
         """How to tell, under the request path's policy, a partition whose replicas changed
         but whose choice did not (`ChoiceStability.same`): snapshots name such partitions in
         `renewed` instead of `changed`, so the choices cached for them stay in use, and after
         each swap `renew(snapshot, store, partitions)` is called for them a step of
         partitions at a time (yielding to the loop in between) to renew those choices from
         the new replicas."""
-        self._table.same_choice = same_choice
+        self._table.stability = stability
         self._renew = renew
 
     def refresh_soon(self) -> None:
@@ -558,7 +558,7 @@ class TableWatcher:
             and last.ends is ends
             and table.reports.get(node_id) is last.fields
         ):
-            moved = table.shift_node(node_id, at_ms - last.at_ms, body.hosting(at_ms))
+            moved = table.shift_node(node_id, at_ms - last.at_ms, body.hosting(at_ms), at)
             self._applied[node_id] = _Applied(body, ends, at_ms, moved, ahead)
             return
         reports = {

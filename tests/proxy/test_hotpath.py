@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from kroute.proxies import ProxyHandle, start_proxy
 from proxy._hotpath import MAX_SEGMENTS, Cached, Candidate, Hub, Tally
+from proxy.choice import Replica, ReportClock
 from proxy.hotpath_spec import HotRoute, HotStore, c_serves_route, hot_routes
 from proxy.metrics import LATENCY_BUCKETS_S
 from proxy.routes import compile_route
@@ -327,3 +328,26 @@ def test_candidates_and_cached_choices_check_their_parts():
         Cached(None, ("not a candidate",), 0)
     candidate = Candidate(None, None, b"", [], b"host: x\r\n", None, Tally())
     assert Cached(None, (candidate,), 5).candidates == (candidate,)
+
+
+def test_a_cached_choice_extended_in_place_reads_its_replicas_times_again():
+    """`Cached.extend`: the renewal of a choice whose replicas only had their report clock
+    moved. Its expiry moves later (never earlier), and each candidate's caught-up time (the
+    C path's x-kroute-time-lag-ms) is read again from its replica."""
+    clock = ReportClock()
+    caught_up = Replica("a", "http://a:1", "active", True, 0, 1_000, 1_000, 5, clock)
+    unknown = Replica("b", "http://b:1", "standby", True, 3, None, 1_000, 2, clock)
+    candidates = tuple(
+        Candidate(None, r, b"", [], b"host: x\r\n", None, Tally(), 0, -1 if c is None else c)
+        for r, c in ((caught_up, 1_000), (unknown, None))
+    )
+    plain = Candidate(None, None, b"", [], b"host: x\r\n", None, Tally(), -1, 7)
+    cached = Cached(None, (*candidates, plain), 4_000)
+    clock.shift_ms = 700
+    cached.extend(4_700)
+    assert cached.expires_ms == 4_700
+    assert [c.caught_up_at_ms for c in cached.candidates] == [1_700, -1, 7]
+    cached.extend(4_100)
+    assert cached.expires_ms == 4_700, "never earlier"
+    with pytest.raises(TypeError):
+        cached.extend("later")  # type: ignore[arg-type]

@@ -44,7 +44,14 @@ any_report = st.tuples(
     st.sampled_from((0, 10, 400, 1_400, 2_990, 4_000)),
 )
 confirmation = st.tuples(st.sampled_from(NODE_IDS), st.just(0), st.just(0), st.just(0))
-reports = st.one_of(*[confirmation] * 2, any_report)
+# The same report confirmed later, as the watcher applies it (`TableBuilder.shift_node`):
+# every time moved by up to this much (never past now), on the node's clock when nothing
+# it changes could change the choice.
+shift = st.tuples(
+    st.sampled_from(NODE_IDS), st.just("shift"), st.sampled_from((10, 400, 700, 1_400, 3_000)),
+    st.just(0),
+)  # fmt: skip
+reports = st.one_of(*[confirmation] * 2, *[shift] * 2, any_report)
 sweep = st.just([(node_id, 0, 0, 0) for node_id in NODE_IDS])  # every node confirms
 all_alive = st.just(frozenset(NODE_IDS))
 steps = st.tuples(
@@ -88,7 +95,7 @@ def test_an_unrenewed_choice_is_the_choice_the_current_rows_give(budget, chain):
 
 async def _check(budget: LagBudget, chain: list) -> None:
     handler = _handler_with(budget)
-    table = TableBuilder(handler.choice_stability.same)
+    table = TableBuilder(handler.choice_stability)
     table.set_stores({"s": StoreInfo("s", "t", 1)})
     placed = {0: PartitionAssignment("a", ("b", "c"))}
     table.set_assignment(Assignment(1, "a", 0, {"s": placed}))
@@ -105,6 +112,9 @@ async def _check(budget: LagBudget, chain: list) -> None:
     for new_reports, passing, alive, request in chain:
         now += passing
         for node_id, lag, caught_ago, ago in new_reports:
+            if lag == "shift":
+                _shift(table, node_id, caught_ago, now)
+                continue
             table.set_node(
                 node_id,
                 table.nodes[node_id],
@@ -135,6 +145,13 @@ async def _check(budget: LagBudget, chain: list) -> None:
         for at in sorted(m for m in moments if now <= m < cached.expires_ms):
             fresh = choose_replicas(row, budget, now_ms=at, stale_after_ms=STALE_MS)
             assert _seen(cached.choice) == _seen(fresh), (at - START, now - START)
+
+
+def _shift(table: TableBuilder, node_id: str, most: int, now: int) -> None:
+    times = [t for f in table.report_fields(node_id).values() for t in f[1:3] if t is not None]
+    delta = min([most, *(now - t for t in times)])
+    if delta > 0:
+        table.shift_node(node_id, delta, table.hostings[node_id], now)
 
 
 def _standby(node_id: str, caught_up_at_ms: int, now: int) -> Replica:

@@ -167,8 +167,8 @@ def test_the_table_names_only_partitions_whose_choice_changed():
     request path keeps its cached choices); without one, every partition is."""
     nodes = [f"n{i}" for i in range(10)]
     stability = ChoiceStability(LagBudget(1_000, 60_000), "reject", STALE_MS)
-    for same_choice, expect_named in ((stability.same, 0), (None, 200)):
-        table = TableBuilder(same_choice)
+    for judge, expect_named in ((stability, 0), (None, 200)):
+        table = TableBuilder(judge)
         table.set_stores({"s": StoreInfo("s", "t", 200)})
         table.set_assignment(Assignment(1, nodes[0], 0, {"s": round_robin(200, nodes, 1)}))
         table.set_alive(set(nodes))
@@ -227,7 +227,7 @@ def _handler_and_table(nodes: list[str]) -> tuple[RequestHandler, TableBuilder]:
     """A handler and a builder judging by its stability: one store of 8 partitions over
     `nodes`, one standby each, every node alive."""
     handler = _handler()
-    table = TableBuilder(handler.choice_stability.same)
+    table = TableBuilder(handler.choice_stability)
     table.set_stores({"s": StoreInfo("s", "t", 8)})
     table.set_assignment(Assignment(1, nodes[0], 0, {"s": round_robin(8, nodes, 1)}))
     table.set_alive(set(nodes))

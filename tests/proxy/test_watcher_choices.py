@@ -42,7 +42,7 @@ def _watch(url: str, keys: Keys, client: redis.Redis, lag: int) -> tuple[set[int
             connection, keys, refresh_interval_ms=1000, networks=None, clock=SharedClock()
         )
         stability = ChoiceStability(LagBudget(100, None), "reject", 3_000)
-        watcher.keep_choices(stability.same, renew)
+        watcher.keep_choices(stability, renew)
         watcher.on_snapshot = swapped
         running = asyncio.create_task(watcher.run())
         try:
