@@ -553,6 +553,7 @@ def measure_size(
             finally:
                 stop.set()
                 prober.join(15)
+            figures["steady"]["direct"] = measure_direct(backends[0], args)
             figures["propagation_ms"] = propagation_figures(propagation)
             # Under the same moderate load alone (wrk's window drives the proxy flat out).
             figures["steady"]["propagation_ms"] = propagation_figures(
@@ -660,6 +661,17 @@ def measure_steady(proxy: ProxyHandle, args: argparse.Namespace) -> dict[str, An
     }
 
 
+def measure_direct(backend: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The same paced load straight to one backend, the simulated nodes' writers still
+    running: what this machine's load alone does to the latencies at this size. The proxy's
+    own share is the difference (its p99 beside this one)."""
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(1) as pool:
+        return pool.apply(
+            steady_load, (backend, args.steady_rate, args.seconds, args.steady_connections)
+        )
+
+
 def steady_load(url: str, rate: int, seconds: int, connections: int) -> dict[str, Any]:
     """Keyed GETs over every partition at `rate`/s for `seconds` (run in a child process)."""
     host_port = url.removeprefix("http://").rstrip("/")
@@ -678,6 +690,10 @@ def steady_load(url: str, rate: int, seconds: int, connections: int) -> dict[str
         **latency_figures(latencies),
         "failed": failures_by_status(outcomes),
     }
+
+
+def _direct_cell(direct: dict[str, Any] | None) -> str:
+    return "" if direct is None else f"{direct['p50_ms']} / {direct['p99_ms']}"
 
 
 def _propagation_cell(prop: dict[str, Any] | None) -> str:
@@ -751,7 +767,8 @@ def steady_markdown(data: dict[str, Any]) -> list[str]:
     rate = next(iter(steady.values()))["rate"]
     rows = [
         f"| {name} | {f['p50_ms']} | {f['p99_ms']} | {f['max_ms']} | {f['requests']:,} "
-        f"| {sum(f['failed'].values()):,} | {f['loop_stall_max_ms']} "
+        f"| {sum(f['failed'].values()):,} | {_direct_cell(f.get('direct'))} "
+        f"| {f['loop_stall_max_ms']} "
         f"| {f['loop_stall_busy_max_ms']} | {f['table_hold_max_ms']} | {f['proxy_cpu_percent']} "
         f"| {_propagation_cell(f.get('propagation_ms'))} |"
         for name, f in steady.items()
@@ -759,13 +776,17 @@ def steady_markdown(data: dict[str, Any]) -> list[str]:
     return [
         f"The same load at every size: {rate:,} keyed GETs a second, paced, each timed from when "
         "it was due (so a stall shows in every request it delays), from a separate process; "
-        'after the wrk window. A stall\'s "proxy CPU at most" is the CPU time the proxy '
+        'after the wrk window. "Straight to a backend" is the same load sent to one backend '
+        "instead, with the simulated nodes' writers still running: what the machine's load "
+        "does to latency at that size without the proxy; the proxy's own share of the p99 is "
+        'the difference. A stall\'s "proxy CPU at most" is the CPU time the proxy '
         "process used while its loop was late: the rest of the stall it was waiting for a core.",
         "",
-        "| nodes/partitions | p50 ms | p99 ms | max ms | requests | failed | loop stall max ms "
-        "| of it proxy CPU at most ms | table hold max ms | proxy CPU % "
+        "| nodes/partitions | p50 ms | p99 ms | max ms | requests | failed "
+        "| straight to a backend p50 / p99 ms "
+        "| loop stall max ms | of it proxy CPU at most ms | table hold max ms | proxy CPU % "
         "| propagation p50/p99 ms (samples) |",
-        "|---|" + "---:|" * 10,
+        "|---|" + "---:|" * 11,
         *rows,
         "",
     ]

@@ -578,24 +578,25 @@ class TableBuilder:
                 self._move_times(store, partition, shifted, now_ms)
             yield len(touched) + min(start + STEP_PARTITIONS, len(moved))
         done = len(touched) + len(moved)
-        for node_id in clock_moved:  # a node's partitions a step (a few dozen)
-            done += self._renew_clock_moved(node_id)
-            yield done
+        for node_id in clock_moved:
+            for count in self._renew_clock_moved(node_id):
+                done += count
+                yield done
 
-    def _renew_clock_moved(self, node_id: str) -> int:
+    def _renew_clock_moved(self, node_id: str) -> Iterator[int]:
         """Name renewed the partitions whose rows hold a replica of the node with a time its
-        clock moved (what comparing its rows would have named: the same choice); returns how
-        many partitions it looked at."""
-        placed = self._placed_on.get(node_id, ())
-        if self._changed is None:
-            return len(placed)
+        clock moved (what comparing its rows would have named: the same choice); yields how
+        many partitions it looked at, a step at a time."""
+        placed = list(self._placed_on.get(node_id, ()))
         rows, renewed = self._rows, self._renewed
-        for store, partition in placed:
-            for replica in rows[store][partition]:
-                if replica.node_id == node_id and replica.has_times:
-                    renewed.setdefault(store, set()).add(partition)
-                    break
-        return len(placed)
+        for start in range(0, len(placed), STEP_PARTITIONS):
+            step = placed[start : start + STEP_PARTITIONS]
+            for store, partition in step if self._changed is not None else ():
+                for replica in rows[store][partition]:
+                    if replica.node_id == node_id and replica.has_times:
+                        renewed.setdefault(store, set()).add(partition)
+                        break
+            yield len(step)
 
     def _rebuild_everything(self) -> Iterator[int]:
         self._everything = False

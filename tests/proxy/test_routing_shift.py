@@ -4,6 +4,7 @@ the same partitions named changed and renewed, after any mix of other updates.""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 
 import pytest
@@ -19,7 +20,7 @@ from common.contract import (
     StoreInfo,
 )
 from proxy.choice import LagBudget
-from proxy.routing import ChoiceStability, RoutingSnapshot, TableBuilder
+from proxy.routing import STEP_PARTITIONS, ChoiceStability, RoutingSnapshot, TableBuilder
 
 NODE_IDS = ("a", "b", "c")
 PARTITIONS = 6
@@ -219,3 +220,29 @@ def test_a_shift_of_what_the_table_does_not_hold_is_refused():
     other = Hosting("a", 1, {"s": {"active": (0,), "standby": ()}}, NOW)
     with pytest.raises(ValueError, match="not the hosting"):
         pair.fast.shift_node("a", 10, other)
+
+
+def test_a_clock_moved_on_thousands_of_partitions_is_renewed_in_steps():
+    """One node on 2,000 partitions confirms: its clock moves (no row rebuilt), and naming its
+    partitions renewed comes in steps of at most STEP_PARTITIONS (the watcher yields to the
+    request path between steps), not in one stretch."""
+    partitions = 2_000
+    table = TableBuilder(STABILITY)
+    table.set_stores({"s": StoreInfo("s", "t", partitions)})
+    placed = dict.fromkeys(range(partitions), PartitionAssignment("a", ()))
+    table.set_assignment(Assignment(1, "a", 0, {"s": placed}))
+    table.set_alive({"a"})
+    hosting = Hosting("a", 1, {"s": {"active": tuple(range(partitions))}}, NOW)
+    reports = {("s", p): _as_report((0, NOW - 5, NOW, 100)) for p in range(partitions)}
+    table.set_node("a", NodeInfo("a", "http://10.0.0.1:1", 0), hosting, reports)
+    for _ in table.rebuild(NOW):
+        pass
+    before = table.snapshot(NOW).stores["s"].replicas
+    table.shift_node("a", 700, replace(hosting, updated_at_ms=NOW + 700), NOW + 700)
+    done = [0, *table.rebuild(NOW + 700)]
+    assert max(b - a for a, b in itertools.pairwise(done)) <= STEP_PARTITIONS
+    after = table.snapshot(NOW + 700)
+    assert after.renewed == {"s": frozenset(range(partitions))}
+    assert after.changed == {}
+    assert all(a is b for a, b in zip(after.stores["s"].replicas, before, strict=True))
+    assert after.stores["s"].replicas[0][0].times == (NOW + 695, NOW + 700)
