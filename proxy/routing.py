@@ -389,11 +389,11 @@ class TableBuilder:
         # Nodes whose clock `shift_node` moved in place (no row touched): the partitions
         # holding their replicas are named renewed by the next rebuild.
         self._clock_moved: set[str] = set()
-        self._shift_at_rebuild: dict[str, int] = {}  # theirs before the first such move
-        # Nodes whose rows do not all hold their current clock yet (touched or moved, to be
-        # rebuilt): a later shift moves that clock in place, whatever it changes, since the
-        # rebuild compares each of those rows with its last one anyway.
-        self._rows_behind: set[str] = set()
+        # A clock moves in place only while the rows are the ones last handed out and served
+        # (a moved clock moves the served rows' times at once, and is judged on them): not
+        # from the start of a rebuild (its yields let updates in between its steps) until its
+        # snapshot, nor while the caller holds a snapshot back (`withhold`).
+        self._rows_served = False
         self._everything = True
         self._node_urls: Mapping[str, str] = {}
         self._alive_frozen: frozenset[str] = frozenset()
@@ -449,9 +449,7 @@ class TableBuilder:
         else:
             self.hostings[node_id] = hosting
         self.reports[node_id] = fields
-        self._retire_clock(node_id)
         self._clocks[node_id] = ReportClock()  # the rows rebuilt from these read through it
-        self._rows_behind.add(node_id)
         self._touch(node_id)
 
     def shift_node(
@@ -476,35 +474,21 @@ class TableBuilder:
         if delta_ms == 0:
             return fields
         clock = self._clocks[node_id]
-        if node_id in self._rows_behind:
-            clock.shift_ms += delta_ms
-        elif delta_ms > 0 and now_ms is not None and self._later_keeps_choices(node_id, now_ms):
-            self._shift_at_rebuild.setdefault(node_id, clock.shift_ms)
+        if delta_ms > 0 and now_ms is not None and self._later_keeps_choices(node_id, now_ms):
             clock.shift_ms += delta_ms
             self._clock_moved.add(node_id)
         else:
-            shift_ms = clock.shift_ms + delta_ms
-            self._retire_clock(node_id)
-            self._clocks[node_id] = ReportClock(shift_ms)
-            self._rows_behind.add(node_id)
+            self._clocks[node_id] = ReportClock(clock.shift_ms + delta_ms)
             self._shifted.add(node_id)
             self._moved.update(self._placed_on.get(node_id, ()))
         return fields
 
-    def _retire_clock(self, node_id: str) -> None:
-        """The node's rows are to be rebuilt on a new clock and compared with what they are:
-        the old clock goes back to where the last rebuild left it, so they are compared with
-        what the request path's cached choices were renewed from (a move since then reached
-        no cached choice), not with times moved since."""
-        if node_id in self._clock_moved:
-            self._clock_moved.discard(node_id)
-            self._clocks[node_id].shift_ms = self._shift_at_rebuild.pop(node_id)
-
     def _later_keeps_choices(self, node_id: str, now_ms: int) -> bool:
-        """Whether moving the node's times later changes no choice its rows give: each of its
-        replicas keeps its standing, and each row its order (`ChoiceStability`)."""
+        """Whether moving the node's times later (now: `now_ms`, no earlier than any request
+        so far) changes no choice the served rows give: each of its replicas keeps its
+        standing, and each row its order (`ChoiceStability`)."""
         stability = self.stability
-        if stability is None:
+        if stability is None or self._everything or not self._rows_served:
             return False
         for _lag, caught_up, reported, _position in self.report_fields(node_id).values():
             if not stability.later_times_keep_standing(caught_up, reported, now_ms):
@@ -556,9 +540,15 @@ class TableBuilder:
             or self._membership_changed
         )
 
+    def withhold(self) -> None:
+        """The caller is not serving the last snapshot (it holds an older one): its rows are
+        not the served ones, so no clock moves in place until the next snapshot."""
+        self._rows_served = False
+
     def rebuild(self, now_ms: int = 0) -> Iterator[int]:
         """Recompute what updates touched; yields after every step (the partitions done).
         `now_ms` is the time `stability` judges by."""
+        self._rows_served = False
         if self._everything:
             yield from self._rebuild_everything()
             return
@@ -567,8 +557,6 @@ class TableBuilder:
         touched, self._touched = list(self._touched), set()
         shifted, self._shifted, self._moved = self._shifted, set(), set()
         clock_moved, self._clock_moved = self._clock_moved, set()
-        self._shift_at_rebuild = {}
-        self._rows_behind = set()  # every row of theirs is rebuilt below
         for start in range(0, len(touched), STEP_PARTITIONS):
             for store, partition in touched[start : start + STEP_PARTITIONS]:
                 self._recompute(store, partition, now_ms)
@@ -602,8 +590,7 @@ class TableBuilder:
         self._everything = False
         self._touched = set()
         self._shifted, self._moved = set(), set()
-        self._clock_moved, self._rows_behind = set(), set()
-        self._shift_at_rebuild = {}
+        self._clock_moved = set()
         self._changed = None
         self._placed_on = {}
         self._partitioners = {name: self._partitioner(info) for name, info in self.stores.items()}
@@ -653,6 +640,11 @@ class TableBuilder:
         rows = self._rows.get(store)
         if rows is None or partition >= len(rows):
             return
+        if (store, partition) in self._touched:
+            # Touched since this rebuild began (a node's update landed while it yielded): the
+            # moved replicas' times are from reports since replaced, so recompute it whole.
+            self._recompute(store, partition, now_ms)
+            return
         old = rows[partition]
         clocks = self._clocks
         row: list[Replica] = []
@@ -694,6 +686,7 @@ class TableBuilder:
         nothing; call after `rebuild` has run to the end."""
         if not self._node_urls and self.nodes:
             self._node_urls = {node_id: info.url for node_id, info in self.nodes.items()}
+        self._rows_served = True  # (the caller says so if it does not serve them: withhold)
         self._membership_changed = False
         if self._alive_frozen != self.alive:
             self._alive_frozen = frozenset(self.alive)

@@ -18,8 +18,8 @@ Three kinds of reads, each a pipelined round trip or two:
   replica was reset and its own position fell). A node without a usable `report_at:<id>`
   or body (a writer that does not write them) gets a node read instead. A confirmation of
   the body last applied, around the same end offsets (the steady state), only moves every
-  time in the node's reports by as much as its at_ms moved (`TableBuilder.shift_node`,
-  nothing rebuilt or compared but the times);
+  time in the node's reports by as much as its at_ms moved (`TableBuilder.shift_node`: its
+  report clock moves, no row rebuilt, when that changes no choice);
 - a *node read* (`node:<id>`, `hosting:<id>`, `lag:<id>`: everything, with positions): soon
   after an event names the node (`hosting`, `node`, `lag`), for every node once per
   `NODE_READ_S` (spread evenly, like the sweep), and in the sweep for nodes without
@@ -558,7 +558,10 @@ class TableWatcher:
             and last.ends is ends
             and table.reports.get(node_id) is last.fields
         ):
-            moved = table.shift_node(node_id, at_ms - last.at_ms, body.hosting(at_ms), at)
+            # Judged as of now (not `at`, which the loop's yields since leave behind the
+            # requests' clock): a moved clock moves the served rows' times at once.
+            now = max(at, self.clock.now_ms())
+            moved = table.shift_node(node_id, at_ms - last.at_ms, body.hosting(at_ms), now)
             self._applied[node_id] = _Applied(body, ends, at_ms, moved, ahead)
             return
         reports = {
@@ -652,6 +655,7 @@ class TableWatcher:
             # This snapshot's changes are dropped with it: the next one swapped in must say
             # that any partition may have changed, or a cache of choices would miss them.
             self._changes_dropped = True
+            table.withhold()
             await self._yield()
             return
         self._placed = placed
