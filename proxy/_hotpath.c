@@ -256,16 +256,35 @@ static void Cached_dealloc(Cached *self) {
 static PyObject *Cached_extend(Cached *self, PyObject *arg) {
     long long expires_ms = PyLong_AsLongLong(arg);
     if (expires_ms == -1 && PyErr_Occurred()) return NULL;
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(self->candidates); i++) {
-        Candidate *candidate = (Candidate *)PyTuple_GET_ITEM(self->candidates, i);
-        if (candidate->replica == Py_None) continue;
-        PyObject *value = PyObject_GetAttrString(candidate->replica, "caught_up_at_ms");
-        if (value == NULL) return NULL;
-        long long caught_up = value == Py_None ? -1 : PyLong_AsLongLong(value);
-        Py_DECREF(value);
-        if (caught_up == -1 && PyErr_Occurred()) return NULL; /* (those before it: read right) */
-        candidate->caught_up_at_ms = caught_up;
+    if (self->candidates == NULL) { /* made by __new__ alone, or cleared by the collector */
+        PyErr_SetString(PyExc_ValueError, "Cached has no candidates");
+        return NULL;
     }
+    /* Held for the loop: reading a replica's time calls Python, which could replace them. */
+    PyObject *candidates = Py_NewRef(self->candidates);
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(candidates); i++) {
+        Candidate *candidate = (Candidate *)Py_NewRef(PyTuple_GET_ITEM(candidates, i));
+        PyObject *replica = candidate->replica;
+        long long caught_up = candidate->caught_up_at_ms;
+        int failed = 0;
+        if (replica != NULL && replica != Py_None) {
+            PyObject *value = PyObject_GetAttrString(replica, "caught_up_at_ms");
+            if (value == NULL) {
+                failed = 1;
+            } else {
+                caught_up = value == Py_None ? -1 : PyLong_AsLongLong(value);
+                Py_DECREF(value);
+                failed = caught_up == -1 && PyErr_Occurred();
+            }
+        }
+        if (!failed) candidate->caught_up_at_ms = caught_up;
+        Py_DECREF(candidate);
+        if (failed) { /* (the candidates before it: read right) */
+            Py_DECREF(candidates);
+            return NULL;
+        }
+    }
+    Py_DECREF(candidates);
     if (expires_ms > self->expires_ms) self->expires_ms = expires_ms;
     Py_RETURN_NONE;
 }

@@ -558,10 +558,8 @@ class TableWatcher:
             and last.ends is ends
             and table.reports.get(node_id) is last.fields
         ):
-            # Judged as of now (not `at`, which the loop's yields since leave behind the
-            # requests' clock): a moved clock moves the served rows' times at once.
-            now = max(at, self.clock.now_ms())
-            moved = table.shift_node(node_id, at_ms - last.at_ms, body.hosting(at_ms), now)
+            judged_at = judging_moment(at, self.clock)
+            moved = table.shift_node(node_id, at_ms - last.at_ms, body.hosting(at_ms), judged_at)
             self._applied[node_id] = _Applied(body, ends, at_ms, moved, ahead)
             return
         reports = {
@@ -940,6 +938,16 @@ def _ahead_ms(body: NodeReport) -> int:
             if entry is not None and entry[1] is not None and -entry[1] > ahead:
                 ahead = -entry[1]
     return ahead
+
+
+def judging_moment(at: int, clock: SharedClock) -> int:
+    """The moment a confirmation is judged as of (`TableBuilder.shift_node`): a moved clock
+    moves the served rows' times at once, so it must be no earlier than any request's clock
+    so far. Not `at`, which the loop's yields since leave behind; not the clock's now alone
+    either: at a sync the shared clock steps back silently by up to `max_step_ms`, so a
+    request may have read a later time than now. Judged two such steps ahead (about two
+    syncs), a replica that close to a limit takes the rebuild path instead."""
+    return max(at, clock.now_ms()) + 2 * int(clock.max_step_ms)
 
 
 class _Round:

@@ -181,20 +181,21 @@ def test_a_confirmation_applied_as_a_shift_gives_the_table_a_whole_body_gives(ba
 
 def test_a_steady_confirmation_takes_the_shift():
     """The case the shift is for: the same body confirmed later moves every time, and the
-    table holds exactly the times a whole apply gives."""
+    table holds exactly the times a whole apply gives. (200 ms later: judged two clock steps
+    ahead, `judging_moment`, the caught-up time 5 ms before stays inside the 1 s budget.)"""
     watched = Watched(fast=True)
     body = _body("a", [(0, 5, None)] * PARTITIONS)
     watched.node_read("a", 100, NOW)
     watched.confirm("a", body, NOW, NOW)
     table = watched.watcher._table
     held, before = table.reports["a"], watched.snapshot(NOW).stores["s"].replicas
-    watched.confirm("a", body, NOW + 700, NOW + 700)
+    watched.confirm("a", body, NOW + 200, NOW + 200)
     assert watched.watcher._applied["a"].fields is table.reports["a"] is held
-    assert table.report_fields("a")[("s", 0)] == (0, NOW + 695, NOW + 700, 101)  # end - lag
+    assert table.report_fields("a")[("s", 0)] == (0, NOW + 195, NOW + 200, 101)  # end - lag
     # Nothing that moving the times could change: its clock moved, no row was rebuilt.
-    after = watched.snapshot(NOW + 700).stores["s"].replicas
+    after = watched.snapshot(NOW + 200).stores["s"].replicas
     assert all(a is b for a, b in zip(after, before, strict=True))
-    assert after[0][0].times == (NOW + 695, NOW + 700)
+    assert after[0][0].times == (NOW + 195, NOW + 200)
 
 
 def test_a_confirmation_is_judged_as_of_the_clock_not_the_sweeps_earlier_at():
