@@ -642,11 +642,7 @@ def measure_steady(proxy: ProxyHandle, args: argparse.Namespace) -> dict[str, An
     pid = proxy.process.pid
     started = time.time()
     cpu_before = cpu_seconds(pid)
-    context = multiprocessing.get_context("spawn")
-    with context.Pool(1) as pool:
-        load = pool.apply(
-            steady_load, (proxy.url, args.steady_rate, args.seconds, args.steady_connections)
-        )
+    load = steady_load_in_child(proxy.url, args)
     elapsed = time.time() - started
     cpu_used = cpu_seconds(pid) - cpu_before
     time.sleep(2.5)  # the watcher's last line for the window
@@ -665,10 +661,14 @@ def measure_direct(backend: str, args: argparse.Namespace) -> dict[str, Any]:
     """The same paced load straight to one backend, the simulated nodes' writers still
     running: what this machine's load alone does to the latencies at this size. The proxy's
     own share is the difference (its p99 beside this one)."""
-    context = multiprocessing.get_context("spawn")
-    with context.Pool(1) as pool:
+    return steady_load_in_child(backend, args)
+
+
+def steady_load_in_child(url: str, args: argparse.Namespace) -> dict[str, Any]:
+    """`steady_load` run in a process of its own (spawned: no state of this one)."""
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
         return pool.apply(
-            steady_load, (backend, args.steady_rate, args.seconds, args.steady_connections)
+            steady_load, (url, args.steady_rate, args.seconds, args.steady_connections)
         )
 
 

@@ -274,11 +274,11 @@ class ChoiceStability:
         mine = next((r for r in row if r.node_id == node_id), None)
         if mine is None or mine.role != "standby":
             return True
-        key = _fresh_key(mine)
+        key = _order_key(mine, fresh=True)
         return not any(
             other is not mine
             and other.role == "standby"
-            and (k := _fresh_key(other)) < key
+            and (k := _order_key(other, fresh=True)) < key
             and k[:3] == key[:3]
             for other in row
         )
@@ -286,17 +286,10 @@ class ChoiceStability:
     def _order(self, row: Row, now_ms: int) -> list[str]:
         """The row's node ids sorted as `proxy.choice` sorts candidates (without the ejected
         and read-your-writes parts, which cached choices do not depend on)."""
-        return [replica.node_id for replica in sorted(row, key=lambda r: self._key(r, now_ms))]
-
-    def _key(self, replica: Replica, now_ms: int) -> tuple[int, int, int, int, str]:
-        fresh = self._fresh(replica, now_ms)
-        return (
-            0 if fresh and _in_sync(replica) else 1,
-            0 if replica.role == "active" else 1,
-            replica.lag if fresh and replica.lag is not None else 2**62,
-            staleness_rank(replica, fresh),
-            replica.node_id,
-        )
+        return [
+            replica.node_id
+            for replica in sorted(row, key=lambda r: _order_key(r, fresh=self._fresh(r, now_ms)))
+        ]
 
     def _fresh(self, replica: Replica, now_ms: int) -> bool:
         reported = replica.reported_at_ms
@@ -327,13 +320,13 @@ class ChoiceStability:
         return over or after.caught_up_at_ms >= before.caught_up_at_ms
 
 
-def _fresh_key(replica: Replica) -> tuple[int, int, int, int, str]:
-    """`ChoiceStability._key` of the replica were its report fresh."""
+def _order_key(replica: Replica, *, fresh: bool) -> tuple[int, int, int, int, str]:
+    """Where `proxy.choice` sorts the replica, its report fresh or not (`ChoiceStability`)."""
     return (
-        0 if _in_sync(replica) else 1,
+        0 if fresh and _in_sync(replica) else 1,
         0 if replica.role == "active" else 1,
-        replica.lag if replica.lag is not None else 2**62,
-        staleness_rank(replica, True),
+        replica.lag if fresh and replica.lag is not None else 2**62,
+        staleness_rank(replica, fresh),
         replica.node_id,
     )
 
@@ -512,13 +505,8 @@ class TableBuilder:
         placed, fields = self._placed_on.get(node_id, ()), self.reports.get(node_id, {})
         if max(len(placed), len(fields)) > IN_PLACE_MAX_PARTITIONS:
             return False  # judged in one stretch on the loop: the rebuild path takes steps
-        shift = self._clocks[node_id].shift_ms
-        for _lag, caught_up, reported, _position in fields.values():
-            if not stability.later_times_keep_standing(
-                None if caught_up is None else caught_up + shift,
-                None if reported is None else reported + shift,
-                now_ms,
-            ):
+        for _lag, caught_up, reported, _position in self.report_fields(node_id).values():
+            if not stability.later_times_keep_standing(caught_up, reported, now_ms):
                 return False
         rows = self._rows
         return all(
@@ -602,14 +590,15 @@ class TableBuilder:
         clock moved (what comparing its rows would have named: the same choice); yields how
         many partitions it looked at, a step at a time."""
         placed = list(self._placed_on.get(node_id, ()))
+        if self._changed is None:  # (this snapshot names every partition changed anyway)
+            yield len(placed)
+            return
         rows, renewed = self._rows, self._renewed
         for start in range(0, len(placed), STEP_PARTITIONS):
             step = placed[start : start + STEP_PARTITIONS]
-            for store, partition in step if self._changed is not None else ():
-                for replica in rows[store][partition]:
-                    if replica.node_id == node_id and replica.has_times:
-                        renewed.setdefault(store, set()).add(partition)
-                        break
+            for store, partition in step:
+                if any(r.node_id == node_id and r.has_times for r in rows[store][partition]):
+                    renewed.setdefault(store, set()).add(partition)
             yield len(step)
 
     def _rebuild_everything(self) -> Iterator[int]:
