@@ -57,6 +57,7 @@ import httpx
 import redis
 
 from benchmarks.loadgen import SteadyLoad, cycle_requests, failures_by_status, latency_figures
+from benchmarks.placement import pin_tree
 from benchmarks.proxy_bench import _nginx_conf, cpu_seconds
 from benchmarks.results_file import git_revision, machine_notes, write_json, write_section
 from benchmarks.wrk import KEYED_SCRIPT, parse_wrk
@@ -370,12 +371,12 @@ def hot_path_requests(proxy: ProxyHandle) -> float:
     )
 
 
-def run_wrk(url: str, seconds: int, connections: int) -> dict[str, Any]:
+def run_wrk(url: str, seconds: int, connections: int, cpus: str | None) -> dict[str, Any]:
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
         script.write(KEYED_SCRIPT % (f"/stores/{STORE}/keys/customer-", KEYS - 1))
     try:
         output = subprocess.run(
-            ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--latency", "-s", script.name,
+            [*(["taskset", "-c", cpus] if cpus else []), "wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--latency", "-s", script.name,
              "--timeout", "10s", url],
             capture_output=True, text=True, timeout=seconds + 60, check=True,
         ).stdout  # fmt: skip
@@ -531,7 +532,7 @@ def measure_size(
         writers_only = {k: (after[k] - before[k]) / args.quiet_seconds for k in after}
         proxy = start_proxy(
             services, redis_url, name=f"proxy-{cluster}", cluster=cluster, max_lag="1000",
-            max_lag_ms="60000", log_level="debug", timeout_s=120,
+            max_lag_ms="60000", log_level="debug", timeout_s=120, cpus=args.request_path_cpus,
         )  # fmt: skip
         try:
             time.sleep(args.warmup_seconds)
@@ -594,7 +595,7 @@ def measure_window(
     cpu_before, redis_before = cpu_seconds(pid), redis_totals(client)
     bytes_before = proxy_socket_bytes(pid, redis_port)
     hot_before = hot_path_requests(proxy)
-    load = run_wrk(proxy.url, args.seconds, args.connections)
+    load = run_wrk(proxy.url, args.seconds, args.connections, args.request_path_cpus)
     hot = hot_path_requests(proxy) - hot_before
     elapsed = time.time() - started
     cpu_used = cpu_seconds(pid) - cpu_before
@@ -653,6 +654,7 @@ def measure_steady(proxy: ProxyHandle, args: argparse.Namespace) -> dict[str, An
         # Of the longest stalls, at most this much was the proxy's own CPU time.
         "loop_stall_busy_max_ms": _max_of(lines, "max_loop_lag_busy_ms"),
         "table_hold_max_ms": _max_of(lines, "max_hold_ms"),
+        "collector_pause_max_ms": _max_of(lines, "max_gc_ms"),
         "proxy_cpu_percent": round(cpu_used / elapsed * 100, 1),
     }
 
@@ -668,12 +670,17 @@ def steady_load_in_child(url: str, args: argparse.Namespace) -> dict[str, Any]:
     """`steady_load` run in a process of its own (spawned: no state of this one)."""
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         return pool.apply(
-            steady_load, (url, args.steady_rate, args.seconds, args.steady_connections)
+            steady_load,
+            (url, args.steady_rate, args.seconds, args.steady_connections, args.request_path_cpus),
         )
 
 
-def steady_load(url: str, rate: int, seconds: int, connections: int) -> dict[str, Any]:
+def steady_load(
+    url: str, rate: int, seconds: int, connections: int, cpus: str | None
+) -> dict[str, Any]:
     """Keyed GETs over every partition at `rate`/s for `seconds` (run in a child process)."""
+    if cpus:
+        os.sched_setaffinity(0, cpu_list(cpus))
     host_port = url.removeprefix("http://").rstrip("/")
     host, _, port = host_port.rpartition(":")
     rng = random.Random(22)
@@ -810,6 +817,24 @@ def projection(sizes: dict[str, Any]) -> str:
     )
 
 
+def cpu_list(text: str) -> set[int]:
+    return {int(cpu) for cpu in text.split(",")}
+
+
+def keep_the_cluster_off(request_path_cpus: str) -> None:
+    """This process, and so what it starts unless told otherwise (Redis, the writers), off
+    the request path's CPUs. The proxy, the backends and the load are placed on them: a
+    deployment gives the routing tier, and its clients, cores apart from the nodes and Redis.
+    Then the sizes differ on the request path's cores only by the proxy's table work."""
+    mine = cpu_list(request_path_cpus)
+    rest = os.sched_getaffinity(0) - mine
+    if not rest or not mine <= os.sched_getaffinity(0):
+        raise SystemExit(
+            f"--request-path-cpus {request_path_cpus}: needs CPUs of this machine and one left over"
+        )
+    os.sched_setaffinity(0, rest)
+
+
 def parse_sizes(text: str) -> list[tuple[int, int]]:
     sizes = []
     for item in text.split(","):
@@ -837,7 +862,14 @@ def main() -> int:
         help="replicas' caught-up ages move between reports, as they do for a writer that "
         "stamps each report with its own time instead of its end-offset read's",
     )
+    parser.add_argument(
+        "--request-path-cpus",
+        help="CPUs the proxy, the backends and the load run on (a taskset -c list); Redis and "
+        "the simulated nodes' writers run on the others (default: nothing pinned)",
+    )
     args = parser.parse_args()
+    if args.request_path_cpus:
+        keep_the_cluster_off(args.request_path_cpus)
     workdir = Path(tempfile.mkdtemp(prefix="kroute-control-plane-"))
     sizes: dict[str, Any] = {}
     with EmbeddedServices(workdir) as services:
@@ -855,6 +887,8 @@ def main() -> int:
             "backends", ["nginx", "-p", str(nginx_dir), "-c", str(nginx_dir / "nginx.conf")]
         )
         services.await_ready(nginx, lambda: port_open(ports[0], 0.2), 10)
+        if args.request_path_cpus:
+            pin_tree(nginx.pid, cpu_list(args.request_path_cpus))
         backends = [f"http://127.0.0.1:{port}" for port in ports]
         for size in args.sizes:
             name = f"{size[0]}/{size[1]}"
@@ -868,6 +902,7 @@ def main() -> int:
         "revision": git_revision(),
         "machine": machine_notes(),
         "standbys": args.standbys,
+        "request_path_cpus": args.request_path_cpus,
         "ages_move": args.ages_move,
         "sizes": sizes,
         "projection": projection(sizes),
