@@ -616,6 +616,8 @@ def measure_window(
         "c_path_share": round(hot / load["requests"], 3) if load.get("requests") else None,
         "choices_forgotten_per_s": round(delta("changed_partitions") / span),
         "choices_kept_per_s": round(delta("renewed_partitions") / span),
+        # Confirmations that moved a node's report clock in place: nothing renewed for them.
+        "clocks_moved_in_place_per_s": round(delta("clocks_moved_in_place") / span),
         "loop_stall_max_ms": round(max((line["max_loop_lag_ms"] for line in lines), default=0), 2),
         "loop_stall_busy_max_ms": _max_of(lines, "max_loop_lag_busy_ms"),
         "table_hold_max_ms": round(max((line["max_hold_ms"] for line in lines), default=0), 2),

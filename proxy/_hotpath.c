@@ -111,6 +111,45 @@ static PyTypeObject TallyType = {
     .tp_doc = "A counter kept in C, read by the metrics collector.",
 };
 
+/* ---- ReportClock: how far one node's report times moved since its rows were built -------- */
+
+/* proxy.choice.ReportClock. A node that confirms an unchanged report later moves every time in
+ * it by the same amount; its replicas, the candidates made of them and the cached choices'
+ * expiries read their times through this one number, so a confirmation is one write. */
+typedef struct {
+    PyObject_HEAD
+    long long shift_ms;
+} ReportClock;
+
+static int ReportClock_init(ReportClock *self, PyObject *args, PyObject *kwds) {
+    static char *names[] = {"shift_ms", NULL};
+    long long shift_ms = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|L", names, &shift_ms)) return -1;
+    self->shift_ms = shift_ms;
+    return 0;
+}
+
+static PyObject *ReportClock_repr(ReportClock *self) {
+    return PyUnicode_FromFormat("ReportClock(shift_ms=%lld)", self->shift_ms);
+}
+
+static PyMemberDef ReportClock_members[] = {
+    {"shift_ms", T_LONGLONG, offsetof(ReportClock, shift_ms), 0,
+     "ms every report time of the node moved since its rows were built"},
+    {NULL},
+};
+
+static PyTypeObject ReportClockType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "proxy._hotpath.ReportClock",
+    .tp_basicsize = sizeof(ReportClock),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)ReportClock_init,
+    .tp_repr = (reprfunc)ReportClock_repr,
+    .tp_members = ReportClock_members,
+    .tp_doc = "How far one node's report times moved since the table built its rows.",
+};
+
 /* ---- Candidate: one replica to try, with what answering from it needs --------------------- */
 
 typedef struct {
@@ -123,22 +162,30 @@ typedef struct {
     PyObject *choice_tally; /* Tally or None */
     PyObject *node_tally;   /* Tally */
     long long lag;          /* offsets behind; -1 when unknown */
-    long long caught_up_at_ms; /* -1 when unknown */
+    long long caught_up_at_ms; /* as given, before `clock`; -1 when unknown */
+    PyObject *clock;        /* ReportClock the time reads through, or NULL */
 } Candidate;
 
 static int Candidate_init(Candidate *self, PyObject *args, PyObject *kwds) {
-    static char *names[] = {"target", "replica", "provenance", "idle", "host_line",
-                            "choice_tally", "node_tally", "lag", "caught_up_at_ms", NULL};
+    static char *names[] = {"target",     "replica", "provenance",      "idle",  "host_line",
+                            "choice_tally", "node_tally", "lag", "caught_up_at_ms", "clock",
+                            NULL};
     PyObject *target, *replica, *provenance, *idle, *host_line, *choice_tally, *node_tally;
+    PyObject *clock = Py_None;
     long long lag = -1, caught_up_at_ms = -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOSO!SOO!|LL", names, &target, &replica,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOSO!SOO!|LLO", names, &target, &replica,
                                      &provenance, &PyList_Type, &idle, &host_line, &choice_tally,
-                                     &TallyType, &node_tally, &lag, &caught_up_at_ms))
+                                     &TallyType, &node_tally, &lag, &caught_up_at_ms, &clock))
         return -1;
     if (choice_tally != Py_None && !PyObject_TypeCheck(choice_tally, &TallyType)) {
         PyErr_SetString(PyExc_TypeError, "choice_tally must be a Tally or None");
         return -1;
     }
+    if (clock != Py_None && !PyObject_TypeCheck(clock, &ReportClockType)) {
+        PyErr_SetString(PyExc_TypeError, "clock must be a ReportClock or None");
+        return -1;
+    }
+    Py_XSETREF(self->clock, clock == Py_None ? NULL : Py_NewRef(clock));
     Py_XSETREF(self->target, Py_NewRef(target));
     Py_XSETREF(self->replica, Py_NewRef(replica));
     Py_XSETREF(self->provenance, Py_NewRef(provenance));
@@ -166,8 +213,27 @@ static int Candidate_clear(Candidate *self) {
     Py_CLEAR(self->host_line);
     Py_CLEAR(self->choice_tally);
     Py_CLEAR(self->node_tally);
+    Py_CLEAR(self->clock);
     return 0;
 }
+
+/* The candidate's caught-up time as it reads now (its clock applied); -1 when unknown. */
+static inline long long candidate_caught_up_at(const Candidate *candidate) {
+    if (candidate->caught_up_at_ms < 0) return -1;
+    if (candidate->clock == NULL) return candidate->caught_up_at_ms;
+    return candidate->caught_up_at_ms + ((ReportClock *)candidate->clock)->shift_ms;
+}
+
+static PyObject *Candidate_get_caught_up_at_ms(Candidate *self, void *closure) {
+    (void)closure;
+    return PyLong_FromLongLong(candidate_caught_up_at(self));
+}
+
+static PyGetSetDef Candidate_getset[] = {
+    {"caught_up_at_ms", (getter)Candidate_get_caught_up_at_ms, NULL,
+     "caught up at, as it reads now through the clock; -1 when unknown", NULL},
+    {NULL},
+};
 
 static void Candidate_dealloc(Candidate *self) {
     PyObject_GC_UnTrack(self);
@@ -182,7 +248,7 @@ static PyMemberDef Candidate_members[] = {
     {"idle", T_OBJECT, offsetof(Candidate, idle), READONLY, NULL},
     {"choice_tally", T_OBJECT, offsetof(Candidate, choice_tally), READONLY, NULL},
     {"node_tally", T_OBJECT, offsetof(Candidate, node_tally), READONLY, NULL},
-    {"caught_up_at_ms", T_LONGLONG, offsetof(Candidate, caught_up_at_ms), READONLY, NULL},
+    {"clock", T_OBJECT, offsetof(Candidate, clock), READONLY, NULL},
     {NULL},
 };
 
@@ -196,6 +262,7 @@ static PyTypeObject CandidateType = {
     .tp_clear = (inquiry)Candidate_clear,
     .tp_dealloc = (destructor)Candidate_dealloc,
     .tp_members = Candidate_members,
+    .tp_getset = Candidate_getset,
     .tp_doc = "A replica to send to: its node, how to reach it, what to say about it.",
 };
 
@@ -205,17 +272,42 @@ typedef struct {
     PyObject_HEAD
     PyObject *choice;     /* proxy.choice.Choice (its rejections go into 503 bodies) */
     PyObject *candidates; /* tuple of Candidate, best first */
-    long long expires_ms; /* wall-clock ms from which it must be recomputed */
-    int spread_width;     /* reads rotate over this many first candidates (choice.rotated) */
+    long long expires_ms; /* wall-clock ms from which it must be checked again */
+    /* What the expiry is the earliest of (proxy.choice.expiry_terms): `cap_ms`, and for each
+     * (clock, base) pair of `terms`, base + the clock's shift. A node's confirmation moves its
+     * clock, so the moment a choice stops being exact moves with it, with nothing renewed:
+     * when `expires_ms` comes, it is computed again from the clocks (cached_recheck). */
+    long long cap_ms;
+    PyObject *terms;  /* tuple of (ReportClock, int) */
+    int spread_width; /* reads rotate over this many first candidates (choice.rotated) */
 } Cached;
 
+/* Whether terms is a tuple of (ReportClock, int) pairs whose ints fit a long long. */
+static int valid_terms(PyObject *terms) {
+    if (!PyTuple_Check(terms)) return 0;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(terms); i++) {
+        PyObject *term = PyTuple_GET_ITEM(terms, i);
+        if (!PyTuple_Check(term) || PyTuple_GET_SIZE(term) != 2 ||
+            !PyObject_TypeCheck(PyTuple_GET_ITEM(term, 0), &ReportClockType) ||
+            !PyLong_Check(PyTuple_GET_ITEM(term, 1)))
+            return 0;
+        long long base = PyLong_AsLongLong(PyTuple_GET_ITEM(term, 1));
+        if (base == -1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            return 0;
+        }
+    }
+    return 1;
+}
+
 static int Cached_init(Cached *self, PyObject *args, PyObject *kwds) {
-    static char *names[] = {"choice", "candidates", "expires_ms", "spread_width", NULL};
-    PyObject *choice, *candidates;
+    static char *names[] = {"choice", "candidates", "expires_ms", "spread_width",
+                            "terms",  "cap_ms",     NULL};
+    PyObject *choice, *candidates, *terms = NULL, *cap = Py_None;
     long long expires_ms;
     int spread_width = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO!L|i", names, &choice, &PyTuple_Type,
-                                     &candidates, &expires_ms, &spread_width))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO!L|iOO", names, &choice, &PyTuple_Type,
+                                     &candidates, &expires_ms, &spread_width, &terms, &cap))
         return -1;
     if (spread_width < 1 || spread_width > PyTuple_GET_SIZE(candidates)) spread_width = 1;
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(candidates); i++) {
@@ -224,22 +316,58 @@ static int Cached_init(Cached *self, PyObject *args, PyObject *kwds) {
             return -1;
         }
     }
+    if (terms != NULL && !valid_terms(terms)) {
+        PyErr_SetString(PyExc_TypeError, "terms must be a tuple of (ReportClock, int) pairs");
+        return -1;
+    }
+    long long cap_ms = expires_ms;
+    if (cap != Py_None) {
+        cap_ms = PyLong_AsLongLong(cap);
+        if (cap_ms == -1 && PyErr_Occurred()) return -1;
+    }
     Py_XSETREF(self->choice, Py_NewRef(choice));
     Py_XSETREF(self->candidates, Py_NewRef(candidates));
+    Py_XSETREF(self->terms, terms == NULL ? PyTuple_New(0) : Py_NewRef(terms));
+    if (self->terms == NULL) return -1;
     self->expires_ms = expires_ms;
+    self->cap_ms = cap_ms;
     self->spread_width = spread_width;
     return 0;
+}
+
+/* The expiry computed again from the clocks as they read now (never earlier than it was):
+ * clocks only move later, and only when no choice changes by it. */
+static void cached_recheck(Cached *self) {
+    PyObject *terms = self->terms;
+    if (terms == NULL) return; /* made by __new__ alone, or cleared by the collector */
+    long long expires = self->cap_ms;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(terms); i++) {
+        PyObject *term = PyTuple_GET_ITEM(terms, i);
+        long long base = PyLong_AsLongLong(PyTuple_GET_ITEM(term, 1)); /* checked by init */
+        long long at = base + ((ReportClock *)PyTuple_GET_ITEM(term, 0))->shift_ms;
+        if (at < expires) expires = at;
+    }
+    if (expires > self->expires_ms) self->expires_ms = expires;
+}
+
+/* Whether the choice is still exact at now_ms: its expiry checked again when it has come. */
+static inline int cached_live(Cached *self, long long now_ms) {
+    if (now_ms < self->expires_ms) return 1;
+    cached_recheck(self);
+    return now_ms < self->expires_ms;
 }
 
 static int Cached_traverse(Cached *self, visitproc visit, void *arg) {
     Py_VISIT(self->choice);
     Py_VISIT(self->candidates);
+    Py_VISIT(self->terms);
     return 0;
 }
 
 static int Cached_clear(Cached *self) {
     Py_CLEAR(self->choice);
     Py_CLEAR(self->candidates);
+    Py_CLEAR(self->terms);
     return 0;
 }
 
@@ -249,50 +377,16 @@ static void Cached_dealloc(Cached *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* Renew in place a choice whose candidates are still the table's replicas (only their report
- * clocks moved, proxy.choice.ReportClock): a later expiry, and each candidate's caught-up time
- * read again from its replica, instead of a new Cached and new Candidates for every renewal.
- * The expiry never moves earlier; everything here runs on the event loop, as requests do. */
-static PyObject *Cached_extend(Cached *self, PyObject *arg) {
-    long long expires_ms = PyLong_AsLongLong(arg);
-    if (expires_ms == -1 && PyErr_Occurred()) return NULL;
-    if (self->candidates == NULL) { /* made by __new__ alone, or cleared by the collector */
-        PyErr_SetString(PyExc_ValueError, "Cached has no candidates");
-        return NULL;
-    }
-    /* Held for the loop: reading a replica's time calls Python, which could replace them. */
-    PyObject *candidates = Py_NewRef(self->candidates);
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(candidates); i++) {
-        Candidate *candidate = (Candidate *)Py_NewRef(PyTuple_GET_ITEM(candidates, i));
-        PyObject *replica = candidate->replica;
-        long long caught_up = candidate->caught_up_at_ms;
-        int failed = 0;
-        if (replica != NULL && replica != Py_None) {
-            PyObject *value = PyObject_GetAttrString(replica, "caught_up_at_ms");
-            if (value == NULL) {
-                failed = 1;
-            } else {
-                caught_up = value == Py_None ? -1 : PyLong_AsLongLong(value);
-                Py_DECREF(value);
-                failed = caught_up == -1 && PyErr_Occurred();
-            }
-        }
-        if (!failed) candidate->caught_up_at_ms = caught_up;
-        Py_DECREF(candidate);
-        if (failed) { /* (the candidates before it: read right) */
-            Py_DECREF(candidates);
-            return NULL;
-        }
-    }
-    Py_DECREF(candidates);
-    if (expires_ms > self->expires_ms) self->expires_ms = expires_ms;
-    Py_RETURN_NONE;
+static PyObject *Cached_live(Cached *self, PyObject *arg) {
+    long long now_ms = PyLong_AsLongLong(arg);
+    if (now_ms == -1 && PyErr_Occurred()) return NULL;
+    return PyBool_FromLong(cached_live(self, now_ms));
 }
 
 static PyMethodDef Cached_methods[] = {
-    {"extend", (PyCFunction)Cached_extend, METH_O,
-     "Renew in place: a later expiry, candidates' caught-up times read again from their "
-     "replicas."},
+    {"live", (PyCFunction)Cached_live, METH_O,
+     "Whether the choice is still exact at now_ms (its expiry computed again from its "
+     "replicas' clocks once it has come)."},
     {NULL},
 };
 
@@ -300,6 +394,8 @@ static PyMemberDef Cached_members[] = {
     {"choice", T_OBJECT, offsetof(Cached, choice), READONLY, NULL},
     {"candidates", T_OBJECT, offsetof(Cached, candidates), READONLY, NULL},
     {"expires_ms", T_LONGLONG, offsetof(Cached, expires_ms), READONLY, NULL},
+    {"cap_ms", T_LONGLONG, offsetof(Cached, cap_ms), READONLY, NULL},
+    {"terms", T_OBJECT, offsetof(Cached, terms), READONLY, NULL},
     {"spread_width", T_INT, offsetof(Cached, spread_width), READONLY, NULL},
     {NULL},
 };
@@ -1215,7 +1311,7 @@ static int forward_fast(ClientBase *self, const char *data, Py_ssize_t length) {
     Cached *cached = (Cached *)cached_object;
     long long now_ms = shared_now_ms(hub);
     Py_ssize_t candidate_count = PyTuple_GET_SIZE(cached->candidates);
-    if (now_ms >= cached->expires_ms || candidate_count == 0) return 0;
+    if (candidate_count == 0 || !cached_live(cached, now_ms)) return 0;
     /* choice.rotated: only the first spread_width candidates share reads, so a restoring
      * or ejected replica is never tried first. */
     int shift = 0;
@@ -1453,8 +1549,9 @@ static int answer_fast(UpstreamBase *self, const char *data, Py_ssize_t length) 
     if (status < 500) ((Tally *)chosen->node_tally)->answered++;
     char time_lag[48];
     int time_lag_length = 0;
-    if (chosen->caught_up_at_ms >= 0) { /* the bound grows with time, even at lag 0 */
-        long long behind = shared_now_ms(hub) - chosen->caught_up_at_ms;
+    long long caught_up_at = candidate_caught_up_at(chosen);
+    if (caught_up_at >= 0) { /* the bound grows with time, even at lag 0 */
+        long long behind = shared_now_ms(hub) - caught_up_at;
         time_lag_length = snprintf(time_lag, sizeof time_lag, "x-kroute-time-lag-ms: %lld\r\n",
                                    behind > 0 ? behind : 0);
     }
@@ -1646,9 +1743,10 @@ PyMODINIT_FUNC PyInit__hotpath(void) {
         !str_adopt)
         return NULL;
 
-    PyTypeObject *types[] = {&TallyType,  &CandidateType,   &CachedType,
-                             &HubType,    &ClientBaseType,  &UpstreamBaseType};
-    const char *names[] = {"Tally", "Candidate", "Cached", "Hub", "ClientBase", "UpstreamBase"};
+    PyTypeObject *types[] = {&TallyType, &ReportClockType, &CandidateType,  &CachedType,
+                             &HubType,   &ClientBaseType,  &UpstreamBaseType};
+    const char *names[] = {"Tally", "ReportClock", "Candidate",   "Cached",
+                           "Hub",   "ClientBase",  "UpstreamBase"};
     PyObject *module = PyModule_Create(&hotpath_module);
     if (module == NULL) return NULL;
     for (size_t i = 0; i < sizeof types / sizeof types[0]; i++) {

@@ -20,6 +20,10 @@ class Tally:
     value: int
     answered: int
 
+class ReportClock:
+    shift_ms: int  # every report time of the node moved this far since its rows were built
+    def __init__(self, shift_ms: int = 0) -> None: ...
+
 class Candidate:
     target: Any  # proxy.exchange.Target
     replica: Replica | None
@@ -27,7 +31,8 @@ class Candidate:
     idle: list[Any]
     choice_tally: Tally | None
     node_tally: Tally
-    caught_up_at_ms: int  # -1 when unknown
+    caught_up_at_ms: int  # as it reads now through `clock`; -1 when unknown
+    clock: ReportClock | None
     def __init__(
         self,
         target: Any,
@@ -38,13 +43,16 @@ class Candidate:
         choice_tally: Tally | None,
         node_tally: Tally,
         lag: int = -1,
-        caught_up_at_ms: int = -1,
+        caught_up_at_ms: int = -1,  # as given: `clock` moves it
+        clock: ReportClock | None = None,
     ) -> None: ...
 
 class Cached:
     choice: Choice
     candidates: tuple[Candidate, ...]
-    expires_ms: int
+    expires_ms: int  # checked again from cap_ms and terms when it comes
+    cap_ms: int
+    terms: tuple[tuple[ReportClock, int], ...]
     spread_width: int
     def __init__(
         self,
@@ -52,8 +60,10 @@ class Cached:
         candidates: tuple[Candidate, ...],
         expires_ms: int,
         spread_width: int = 1,
+        terms: tuple[tuple[ReportClock, int], ...] = (),
+        cap_ms: int | None = None,  # default: expires_ms
     ) -> None: ...
-    def extend(self, expires_ms: int, /) -> None: ...
+    def live(self, now_ms: int, /) -> bool: ...
 
 class Hub:
     enabled: int

@@ -38,6 +38,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
+from proxy import _hotpath
+
 UnknownLagPolicy = Literal["reject", "accept"]
 # A candidate's sort key: (position reached, in sync, role, lag, time lag, node id), 0 first.
 _Order = tuple[int, int, int, int, int, str]
@@ -69,21 +71,14 @@ def _stricter(a: int | None, b: int | None) -> int | None:
     return a if b is None else min(a, b)
 
 
-class ReportClock:
-    """How far a node's report times have moved since the table built its replicas' rows.
-
-    A node that confirms an unchanged report later moves every time in it by the same amount
-    ("caught up at", "reported at"). Its replicas read their times through this one number, so
-    the table moves them all with one write (`TableBuilder.shift_node`) instead of rebuilding
-    every row that holds one of them. A replica without a clock holds its times as given."""
-
-    __slots__ = ("shift_ms",)
-
-    def __init__(self, shift_ms: int = 0) -> None:
-        self.shift_ms = shift_ms
-
-    def __repr__(self) -> str:
-        return f"ReportClock(shift_ms={self.shift_ms})"
+# How far a node's report times have moved since the table built its replicas' rows (a C type:
+# the request path's cached choices read it too). A node that confirms an unchanged report
+# later moves every time in it by the same amount ("caught up at", "reported at"). Its replicas
+# read their times through this one number (`shift_ms`), so the table moves them all with one
+# write (`TableBuilder.shift_node`) instead of rebuilding every row that holds one of them, and
+# a cached choice's expiry moves with it (`expiry_terms`). A replica without a clock holds its
+# times as given.
+ReportClock = _hotpath.ReportClock
 
 
 class Replica:
@@ -144,6 +139,11 @@ class Replica:
     def reported_at_ms(self) -> int | None:
         at, clock = self._reported_at_ms, self.clock
         return at if at is None or clock is None else at + clock.shift_ms
+
+    @property
+    def caught_up_at_as_given_ms(self) -> int | None:
+        """Caught up at, as given, before its clock (what a C candidate holds with it)."""
+        return self._caught_up_at_ms
 
     @property
     def times(self) -> tuple[int | None, int | None]:
@@ -360,6 +360,57 @@ def _why_unavailable(replica: Replica, standby_reads: bool) -> str | None:
     return None
 
 
+# One moment a cached choice's expiry is the earliest of: base + the clock's shift as it
+# reads at the time (`Cached` in the C path computes it again when its expiry comes).
+ExpiryTerm = tuple[ReportClock, int]
+# How long a computed choice may be reused at most, whatever its replicas report.
+REUSE_MAX_MS = 60_000
+
+
+def expiry_terms(
+    replicas: tuple[Replica, ...],
+    budget: LagBudget,
+    *,
+    now_ms: int,
+    stale_after_ms: int = 3_000,
+) -> tuple[int, tuple[ExpiryTerm, ...]]:
+    """The first moment the same inputs could give a different choice, as time alone passes,
+    as a cap and the terms that move with their replicas' clocks: the moment is the earliest
+    of the cap and each term's base plus its clock's shift (`choice_expires_at`).
+
+    Only two things change with time: a report grows older than `stale_after_ms`, and a
+    replica's time lag grows past `budget.max_ms`. Until the earliest of those, a choice
+    computed now stays exact and can be reused. Which replicas count is decided now; a clock
+    moves only when that changes no choice (`TableBuilder.shift_node`): a fresh replica inside
+    the budget stays so, and a stale or late one is never moved in place.
+    """
+    cap = now_ms + REUSE_MAX_MS
+    terms: list[ExpiryTerm] = []
+
+    def add(clock: ReportClock | None, at: int) -> None:
+        nonlocal cap
+        if clock is None:
+            cap = min(cap, at)
+        else:
+            terms.append((clock, at - clock.shift_ms))
+
+    for replica in replicas:
+        reported_at = replica.reported_at_ms
+        if reported_at is not None and _fresh(replica, now_ms, stale_after_ms):
+            add(replica.clock, reported_at + stale_after_ms + 1)
+        caught_up_at = replica.caught_up_at_ms
+        if budget.max_ms is not None and caught_up_at is not None:
+            crossing = caught_up_at + budget.max_ms + 1
+            if crossing > now_ms:
+                add(replica.clock, crossing)
+    return cap, tuple(terms)
+
+
+def expires_at(cap: int, terms: tuple[ExpiryTerm, ...]) -> int:
+    """The moment `expiry_terms` gave, as the clocks read now."""
+    return min([cap, *(base + clock.shift_ms for clock, base in terms)])
+
+
 def choice_expires_at(
     replicas: tuple[Replica, ...],
     budget: LagBudget,
@@ -367,18 +418,6 @@ def choice_expires_at(
     now_ms: int,
     stale_after_ms: int = 3_000,
 ) -> int:
-    """The first moment the same inputs could give a different choice, as time alone passes.
-
-    Only two things change with time: a report grows older than `stale_after_ms`, and a
-    replica's time lag grows past `budget.max_ms`. Until the earliest of those, a
-    choice computed now stays exact and can be reused.
-    """
-    horizon = now_ms + 60_000
-    for replica in replicas:
-        if replica.reported_at_ms is not None and _fresh(replica, now_ms, stale_after_ms):
-            horizon = min(horizon, replica.reported_at_ms + stale_after_ms + 1)
-        if budget.max_ms is not None and replica.caught_up_at_ms is not None:
-            crossing = replica.caught_up_at_ms + budget.max_ms + 1
-            if crossing > now_ms:
-                horizon = min(horizon, crossing)
-    return horizon
+    """The first moment the same inputs could give a different choice, as time alone passes
+    (`expiry_terms`, as the clocks read now)."""
+    return expires_at(*expiry_terms(replicas, budget, now_ms=now_ms, stale_after_ms=stale_after_ms))

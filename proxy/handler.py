@@ -4,11 +4,13 @@ Keyed requests (a configured route matched) go to the replicas of the key's part
 order `choose_replicas` gives; others go to any live registered node, round robin. Decisions
 read the current snapshot once. The choice for (store, partition) under the configured budget
 is cached until a snapshot changes that choice (`RoutingSnapshot.changed`) or the ejected set
-changes, or until time alone could change it (`choice_expires_at`); a request that tightens the
+changes, or until time alone could change it (`expiry_terms`); a request that tightens the
 budget by header computes its own. A new report that leaves a partition's choice as it was (most
-of them: every replica reports every 250 ms) does not touch its cached choice; the watcher then
-has it renewed from the new replicas (`renew_choices`, off the request path, in steps), so the
-C path keeps serving it and its answers' lag headers follow the reports.
+of them: every replica reports every 250 ms) does not touch its cached choice. A node's unchanged
+report confirmed later moves its report clock, which cached choices read for their answers' time
+lag and their expiry; a new report that leaves the choice as it was has it renewed from the new
+replicas (`renew_choices`, off the request path, in steps), so the C path keeps serving it and
+its answers' lag headers follow the reports.
 
 The caches and the stores' partitioners are shared with the C path (`proxy._hotpath.Hub`),
 which serves cached choices itself; a choice it finds missing or expired sends the request
@@ -29,11 +31,13 @@ from partitioner import KeyFormatError, KeyPartitioner
 from proxy._hotpath import Cached, Candidate, Hub
 from proxy.choice import (
     Choice,
+    ExpiryTerm,
     LagBudget,
     Replica,
     UnknownLagPolicy,
-    choice_expires_at,
     choose_replicas,
+    expires_at,
+    expiry_terms,
     rotated,
 )
 from proxy.errors import (
@@ -171,9 +175,9 @@ class RequestHandler:
         (every node every 700 ms) and limit (3 s) a choice comes up for renewal at least
         twice in its last 1.5 s.
 
-        A choice whose candidates are still the row's replica objects (the table moved only
-        their report clocks, `proxy.choice.ReportClock`) is renewed in place (`Cached.extend`):
-        a later expiry and the candidates' caught-up times read again, nothing made anew."""
+        A confirmation that only moved a node's report clock (`proxy.choice.ReportClock`,
+        moved in place by the table) names nothing here: the cached choices read that clock,
+        for their answers' time lag and for their expiry (`Cached.live`)."""
         if snapshot is not self.snapshot:
             return  # a newer table is in use: its replicas, not these, are the truth
         cache, route = self._choices.get(name), snapshot.stores.get(name)
@@ -184,20 +188,17 @@ class RequestHandler:
         renew_after = at + policy.stale_after_ms // 2  # expiring sooner than this: renewed
         for partition in partitions:
             cached = cache[partition]
-            if cached is None or at >= cached.expires_ms:
+            if cached is None or not cached.live(at):
                 continue  # none, or expired: the next request computes it
             if cached.expires_ms > renew_after and _same_lags(cached, route.replicas[partition]):
                 continue  # only times moved, and it lives long enough: renewed later
             replicas = route.replicas[partition]
-            expires = choice_expires_at(
+            cap, terms = expiry_terms(
                 replicas, policy.budget, now_ms=at, stale_after_ms=policy.stale_after_ms
             )
-            if expires <= cached.expires_ms:
+            if expires_at(cap, terms) <= cached.expires_ms:
                 continue
-            if _holds_the_rows_replicas(cached, replicas):
-                cached.extend(expires)  # only their clocks moved: nothing to make again
-            else:
-                cache[partition] = _renewed(cached, replicas, partition, expires)
+            cache[partition] = _renewed(cached, replicas, partition, cap, terms)
 
     def _use_targets(self, node_urls: Mapping[str, str]) -> None:
         targets = {}
@@ -233,8 +234,9 @@ class RequestHandler:
             node_tally=metrics.node_tally(target.node_id),
             lag=-1 if replica is None or replica.lag is None else replica.lag,
             caught_up_at_ms=-1
-            if replica is None or replica.caught_up_at_ms is None
-            else replica.caught_up_at_ms,
+            if replica is None or replica.caught_up_at_as_given_ms is None
+            else replica.caught_up_at_as_given_ms,
+            clock=None if replica is None else replica.clock,
         )
 
     # -- requests ----------------------------------------------------------------------------
@@ -362,7 +364,7 @@ class RequestHandler:
         cacheable = budget is None and min_offset is None
         if cacheable:
             cached = cache[partition]
-            if cached is not None and at < cached.expires_ms:
+            if cached is not None and cached.live(at):
                 return cached.choice, cached.candidates
         replicas = store.replicas[partition]
         effective = budget or policy.budget
@@ -380,14 +382,16 @@ class RequestHandler:
             self._candidate(self._targets[r.node_id], r, name, partition) for r in choice.candidates
         )
         if cacheable:
-            expires = choice_expires_at(
+            cap, terms = expiry_terms(
                 replicas, effective, now_ms=at, stale_after_ms=policy.stale_after_ms
             )
             cache[partition] = Cached(
                 choice=choice,
                 candidates=candidates,
-                expires_ms=expires,
+                expires_ms=expires_at(cap, terms),
                 spread_width=choice.spread_width,
+                terms=terms,
+                cap_ms=cap,
             )
         return choice, candidates
 
@@ -408,19 +412,12 @@ def _same_lags(cached: Cached, replicas: tuple[Replica, ...]) -> bool:
     return True
 
 
-def _holds_the_rows_replicas(cached: Cached, replicas: tuple[Replica, ...]) -> bool:
-    """Whether every candidate names the very replica object the row holds for its node (the
-    table moved only their report clocks since), so the choice needs only a later expiry and
-    the candidates' caught-up times read again (`Cached.extend`)."""
-    for candidate in cached.candidates:
-        replica = candidate.replica
-        if replica is None or not any(held is replica for held in replicas):
-            return False
-    return True
-
-
 def _renewed(
-    cached: Cached, replicas: tuple[Replica, ...], partition: int, expires: int
+    cached: Cached,
+    replicas: tuple[Replica, ...],
+    partition: int,
+    cap: int,
+    terms: tuple[ExpiryTerm, ...],
 ) -> Cached | None:
     """`cached` with the same candidates, in the same order, made of the new `replicas`
     (None, to be computed again, if one is missing: never expected of a renewed partition).
@@ -438,8 +435,10 @@ def _renewed(
     return Cached(
         choice=Choice(chosen, choice.rejected, choice.spread_width),
         candidates=tuple(candidates),
-        expires_ms=expires,
+        expires_ms=expires_at(cap, terms),
         spread_width=cached.spread_width,
+        terms=terms,
+        cap_ms=cap,
     )
 
 
@@ -465,7 +464,10 @@ def _renewed_candidate(
         choice_tally=candidate.choice_tally,
         node_tally=candidate.node_tally,
         lag=-1 if new.lag is None else new.lag,
-        caught_up_at_ms=-1 if new.caught_up_at_ms is None else new.caught_up_at_ms,
+        caught_up_at_ms=-1
+        if new.caught_up_at_as_given_ms is None
+        else new.caught_up_at_as_given_ms,
+        clock=new.clock,
     )
 
 

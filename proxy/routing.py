@@ -398,14 +398,12 @@ class TableBuilder:
         # partitions they are placed on (recomputed from their rows unless also touched).
         self._shifted: set[str] = set()
         self._moved: set[tuple[str, int]] = set()
-        # Nodes whose clock `shift_node` moved in place (no row touched): the partitions
-        # holding their replicas are named renewed by the next rebuild.
-        self._clock_moved: set[str] = set()
         # A clock moves in place only while the rows are the ones last handed out and served
         # (a moved clock moves the served rows' times at once, and is judged on them): not
         # from the start of a rebuild (its yields let updates in between its steps) until its
         # snapshot, nor while the caller holds a snapshot back (`withhold`).
         self._rows_served = False
+        self.clocks_moved_in_place = 0  # confirmations that moved a clock and touched no row
         self._everything = True
         self._node_urls: Mapping[str, str] = {}
         self._alive_frozen: frozenset[str] = frozenset()
@@ -474,9 +472,10 @@ class TableBuilder:
         `set_node` with those reports would do, without building or comparing them.
 
         When `stability` tells (as of `now_ms`) that later times change no choice of the
-        node's partitions, its clock moves and no row is touched; the partitions holding its
-        replicas are named renewed. Otherwise the node gets a new clock and its partitions'
-        rows are rebuilt from themselves (only its replicas replaced) and compared.
+        node's partitions, its clock moves and no row is touched: the served rows and the
+        request path's cached choices (their answers' time lag and their expiry) read it, so
+        nothing is named and no snapshot is needed. Otherwise the node gets a new clock and its
+        partitions' rows are rebuilt from themselves (only its replicas replaced) and compared.
         Returns the node's reports as held (times as set, before the clock)."""
         before = self.hostings.get(node_id)
         fields = self.reports.get(node_id)
@@ -487,8 +486,8 @@ class TableBuilder:
             return fields
         clock = self._clocks[node_id]
         if delta_ms > 0 and now_ms is not None and self._later_keeps_choices(node_id, now_ms):
-            clock.shift_ms += delta_ms
-            self._clock_moved.add(node_id)
+            clock.shift_ms += delta_ms  # the served rows and cached choices read it at once
+            self.clocks_moved_in_place += 1
         else:
             self._clocks[node_id] = ReportClock(clock.shift_ms + delta_ms)
             self._shifted.add(node_id)
@@ -547,11 +546,7 @@ class TableBuilder:
     @property
     def pending(self) -> bool:
         return (
-            self._everything
-            or bool(self._touched)
-            or bool(self._moved)
-            or bool(self._clock_moved)
-            or self._membership_changed
+            self._everything or bool(self._touched) or bool(self._moved) or self._membership_changed
         )
 
     def withhold(self) -> None:
@@ -570,7 +565,6 @@ class TableBuilder:
         moved = list(self._moved - self._touched)
         touched, self._touched = list(self._touched), set()
         shifted, self._shifted, self._moved = self._shifted, set(), set()
-        clock_moved, self._clock_moved = self._clock_moved, set()
         for start in range(0, len(touched), STEP_PARTITIONS):
             for store, partition in touched[start : start + STEP_PARTITIONS]:
                 self._recompute(store, partition, now_ms)
@@ -579,33 +573,11 @@ class TableBuilder:
             for store, partition in moved[start : start + STEP_PARTITIONS]:
                 self._move_times(store, partition, shifted, now_ms)
             yield len(touched) + min(start + STEP_PARTITIONS, len(moved))
-        done = len(touched) + len(moved)
-        for node_id in clock_moved:
-            for count in self._renew_clock_moved(node_id):
-                done += count
-                yield done
-
-    def _renew_clock_moved(self, node_id: str) -> Iterator[int]:
-        """Name renewed the partitions whose rows hold a replica of the node with a time its
-        clock moved (what comparing its rows would have named: the same choice); yields how
-        many partitions it looked at, a step at a time."""
-        placed = list(self._placed_on.get(node_id, ()))
-        if self._changed is None:  # (this snapshot names every partition changed anyway)
-            yield len(placed)
-            return
-        rows, renewed = self._rows, self._renewed
-        for start in range(0, len(placed), STEP_PARTITIONS):
-            step = placed[start : start + STEP_PARTITIONS]
-            for store, partition in step:
-                if any(r.node_id == node_id and r.has_times for r in rows[store][partition]):
-                    renewed.setdefault(store, set()).add(partition)
-            yield len(step)
 
     def _rebuild_everything(self) -> Iterator[int]:
         self._everything = False
         self._touched = set()
         self._shifted, self._moved = set(), set()
-        self._clock_moved = set()
         self._changed = None
         self._placed_on = {}
         self._partitioners = {name: self._partitioner(info) for name, info in self.stores.items()}

@@ -844,7 +844,12 @@ class TableWatcher:
         try:
             while True:
                 await asyncio.sleep(STATS_LOG_S)
-                log.debug("control plane", nodes=len(self._node_ids), **vars(self.stats))
+                log.debug(
+                    "control plane",
+                    nodes=len(self._node_ids),
+                    clocks_moved_in_place=self._table.clocks_moved_in_place,
+                    **vars(self.stats),
+                )
                 stats = self.stats
                 stats.max_hold_ms = stats.max_swap_ms = stats.max_loop_lag_ms = 0.0
                 stats.max_loop_lag_busy_ms = stats.max_gc_ms = 0.0

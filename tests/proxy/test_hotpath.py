@@ -330,24 +330,46 @@ def test_candidates_and_cached_choices_check_their_parts():
     assert Cached(None, (candidate,), 5).candidates == (candidate,)
 
 
-def test_a_cached_choice_extended_in_place_reads_its_replicas_times_again():
-    """`Cached.extend`: the renewal of a choice whose replicas only had their report clock
-    moved. Its expiry moves later (never earlier), and each candidate's caught-up time (the
-    C path's x-kroute-time-lag-ms) is read again from its replica."""
+def test_a_candidate_reads_its_caught_up_time_through_its_replicas_clock():
+    """The C path's x-kroute-time-lag-ms reads the candidate's caught-up time as given plus
+    its node's clock: a confirmation that moves the clock moves it, with nothing renewed."""
     clock = ReportClock()
     caught_up = Replica("a", "http://a:1", "active", True, 0, 1_000, 1_000, 5, clock)
-    unknown = Replica("b", "http://b:1", "standby", True, 3, None, 1_000, 2, clock)
-    candidates = tuple(
-        Candidate(None, r, b"", [], b"host: x\r\n", None, Tally(), 0, -1 if c is None else c)
-        for r, c in ((caught_up, 1_000), (unknown, None))
-    )
+    with_clock = Candidate(None, caught_up, b"", [], b"host: x\r\n", None, Tally(), 0, 1_000, clock)
+    unknown = Candidate(None, None, b"", [], b"host: x\r\n", None, Tally(), 3, -1, clock)
     plain = Candidate(None, None, b"", [], b"host: x\r\n", None, Tally(), -1, 7)
-    cached = Cached(None, (*candidates, plain), 4_000)
     clock.shift_ms = 700
-    cached.extend(4_700)
-    assert cached.expires_ms == 4_700
-    assert [c.caught_up_at_ms for c in cached.candidates] == [1_700, -1, 7]
-    cached.extend(4_100)
-    assert cached.expires_ms == 4_700, "never earlier"
+    assert [c.caught_up_at_ms for c in (with_clock, unknown, plain)] == [1_700, -1, 7]
+    assert with_clock.caught_up_at_ms == caught_up.caught_up_at_ms
     with pytest.raises(TypeError):
-        cached.extend("later")  # type: ignore[arg-type]
+        Candidate(None, None, b"", [], b"host: x\r\n", None, Tally(), 0, 1, "not a clock")  # type: ignore[arg-type]
+
+
+def test_a_cached_choice_expires_as_its_replicas_clocks_read():
+    """`Cached.live`: once its expiry comes, it is computed again as the earliest of the cap
+    and each term's base plus its clock's shift; it never moves earlier."""
+    mine, other = ReportClock(), ReportClock()
+    cached = Cached(None, (), 4_000, terms=((mine, 4_000), (other, 5_000)), cap_ms=9_000)
+    assert cached.live(3_999)
+    assert not cached.live(4_000), "no clock moved: it expires when it said"
+    mine.shift_ms = 2_000
+    assert cached.live(4_000)
+    assert cached.expires_ms == 5_000, "the other replica's term is now the earliest"
+    mine.shift_ms, other.shift_ms = 6_000, 10_000
+    assert cached.live(8_999), "the cap"
+    assert not cached.live(9_000), "the cap"
+    mine.shift_ms = 0  # (clocks never move back; if one did, the expiry would not either)
+    assert cached.expires_ms == 9_000
+    assert not cached.live(9_000)
+    plain = Cached(None, (), 4_000)
+    assert not plain.live(4_000)
+    assert plain.cap_ms == 4_000
+    assert plain.terms == ()
+    with pytest.raises(TypeError):
+        Cached(None, (), 1, terms=((mine, "soon"),))  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        Cached(None, (), 1, terms=(("not a clock", 1),))  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        Cached(None, (), 1, terms=((mine, 2**70),))
+    with pytest.raises(TypeError):
+        cached.live("later")  # type: ignore[arg-type]

@@ -22,7 +22,15 @@ from common.contract import (
     PartitionReport,
     StoreInfo,
 )
-from proxy.choice import Choice, LagBudget, Replica, choice_expires_at, choose_replicas
+from proxy._hotpath import Cached
+from proxy.choice import (
+    Choice,
+    LagBudget,
+    Replica,
+    choice_expires_at,
+    choose_replicas,
+    expires_at,
+)
 from proxy.handler import ChoicePolicy, RequestHandler
 from proxy.routing import TableBuilder
 from tests.proxy.test_routing_choice_stability import _handler
@@ -131,20 +139,30 @@ async def _check(budget: LagBudget, chain: list) -> None:
                 handler.renew_choices(snapshot, name, sorted(partitions))
             if request:
                 handler._choice(snapshot.stores["s"], "s", 0, None)
-        row = snapshot.stores["s"].replicas[0]
         cached = handler._choices["s"][0]
-        if cached is None:
-            continue
-        # Every moment from now until it expires at which the fresh choice may change.
-        moments = {now, cached.expires_ms - 1}
-        for replica in row:
-            if replica.reported_at_ms is not None:
-                moments.add(replica.reported_at_ms + STALE_MS + 1)
-            if budget.max_ms is not None and replica.caught_up_at_ms is not None:
-                moments.add(replica.caught_up_at_ms + budget.max_ms + 1)
-        for at in sorted(m for m in moments if now <= m < cached.expires_ms):
-            fresh = choose_replicas(row, budget, now_ms=at, stale_after_ms=STALE_MS)
-            assert _seen(cached.choice) == _seen(fresh), (at - START, now - START)
+        if cached is not None:
+            _assert_exact_until_it_expires(cached, snapshot.stores["s"].replicas[0], budget, now)
+
+
+def _assert_exact_until_it_expires(
+    cached: Cached, row: tuple[Replica, ...], budget: LagBudget, now: int
+) -> None:
+    # Every moment from now until it expires at which the fresh choice may change. Its
+    # expiry as the request path reads it (`Cached.live`): computed again from its
+    # replicas' clocks, which in-place confirmations moved, once the stored one comes.
+    expires = max(cached.expires_ms, expires_at(cached.cap_ms, cached.terms))
+    moments = {now, cached.expires_ms - 1, cached.expires_ms, expires - 1, expires}
+    for replica in row:
+        if replica.reported_at_ms is not None:
+            moments.add(replica.reported_at_ms + STALE_MS + 1)
+        if budget.max_ms is not None and replica.caught_up_at_ms is not None:
+            moments.add(replica.caught_up_at_ms + budget.max_ms + 1)
+    for at in sorted(m for m in moments if now <= m):
+        if not cached.live(at):
+            assert at >= expires, "it expired before its terms said"
+            break
+        fresh = choose_replicas(row, budget, now_ms=at, stale_after_ms=STALE_MS)
+        assert _seen(cached.choice) == _seen(fresh), (at - START, now - START)
 
 
 def _shift(table: TableBuilder, node_id: str, most: int, now: int) -> None:
