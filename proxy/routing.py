@@ -257,23 +257,36 @@ class ChoiceStability:
         every choice made since they were set, when they move later: fresh (or without a
         report) and inside the time budget (or without a caught-up time). Later times can
         make a stale report fresh and bring a time lag back inside the budget, nothing else."""
-        if reported_at_ms is not None and now_ms - reported_at_ms > self.stale_after_ms:
-            return False
+        until = self.standing_until(caught_up_at_ms, reported_at_ms)
+        return until is None or now_ms <= until
+
+    def standing_until(self, caught_up_at_ms: int | None, reported_at_ms: int | None) -> int | None:
+        """The last moment `later_times_keep_standing` holds for these times (None: always)."""
+        ends = []
+        if reported_at_ms is not None:
+            ends.append(reported_at_ms + self.stale_after_ms)
         limit = self.budget.max_ms
-        return limit is None or caught_up_at_ms is None or now_ms - caught_up_at_ms <= limit
+        if limit is not None and caught_up_at_ms is not None:
+            ends.append(caught_up_at_ms + limit)
+        return min(ends) if ends else None
+
+    def could_reorder(self, row: Row, node_id: str) -> bool:
+        """Whether `later_times_keep_order` looks at the row's times for the node (it is a
+        standby among several standbys); otherwise it holds whatever the times."""
+        if sum(replica.role == "standby" for replica in row) < 2:
+            return False
+        return any(r.node_id == node_id and r.role == "standby" for r in row)
 
     def later_times_keep_order(self, row: Row, node_id: str) -> bool:
         """Whether moving `node_id`'s times later keeps the row's order (its standing kept:
-        `later_times_keep_standing`). Only a standby among several can move: later times rank
-        it before standbys it sorts alike with but for its caught-up time, so it must already
-        be before every one of them. Judged as if every replica were fresh: which of the
-        others are fresh depends on the moment, and a cached choice may come from any moment
-        of its life; a stale one sorts after every fresh one anyway."""
-        if sum(replica.role == "standby" for replica in row) < 2:
+        `later_times_keep_standing`). Only a standby among several can move (`could_reorder`):
+        later times rank it before standbys it sorts alike with but for its caught-up time, so
+        it must already be before every one of them. Judged as if every replica were fresh:
+        which of the others are fresh depends on the moment, and a cached choice may come
+        from any moment of its life; a stale one sorts after every fresh one anyway."""
+        if not self.could_reorder(row, node_id):
             return True  # what `same` needs of the order, too
-        mine = next((r for r in row if r.node_id == node_id), None)
-        if mine is None or mine.role != "standby":
-            return True
+        mine = next(r for r in row if r.node_id == node_id)
         key = _order_key(mine, fresh=True)
         return not any(
             other is not mine
@@ -398,6 +411,11 @@ class TableBuilder:
         # partitions they are placed on (recomputed from their rows unless also touched).
         self._shifted: set[str] = set()
         self._moved: set[tuple[str, int]] = set()
+        # What the in-place judgement keeps between confirmations (`_standing_until`,
+        # `_order_rows_of`): per node, (its reports dict, stability, latest moment its
+        # replicas keep their standing) and (stability, rows where it could reorder).
+        self._standing: dict[str, tuple[object, ChoiceStability, int | None]] = {}
+        self._order_rows: dict[str, tuple[ChoiceStability, list[Where]]] = {}
         # A clock moves in place only while the rows are the ones last handed out and served
         # (a moved clock moves the served rows' times at once, and is judged on them): not
         # from the start of a rebuild (its yields let updates in between its steps) until its
@@ -504,14 +522,53 @@ class TableBuilder:
         placed, fields = self._placed_on.get(node_id, ()), self.reports.get(node_id, {})
         if max(len(placed), len(fields)) > IN_PLACE_MAX_PARTITIONS:
             return False  # judged in one stretch on the loop: the rebuild path takes steps
-        for _lag, caught_up, reported, _position in self.report_fields(node_id).values():
-            if not stability.later_times_keep_standing(caught_up, reported, now_ms):
-                return False
+        until = self._standing_until(node_id, stability)
+        clock = self._clocks.get(node_id)
+        if until is not None and now_ms > until + (0 if clock is None else clock.shift_ms):
+            return False  # (the reports' times as they read now: as set, plus the clock)
         rows = self._rows
         return all(
             stability.later_times_keep_order(rows[store][partition], node_id)
-            for store, partition in placed
+            for store, partition in self._order_rows_of(node_id, stability)
         )
+
+    def _standing_until(self, node_id: str, stability: ChoiceStability) -> int | None:
+        """`ChoiceStability.standing_until` over the node's reports as set (before its
+        clock), the earliest; kept while they are the same reports (one dict per `set_node`)."""
+        fields = self.reports.get(node_id, {})
+        kept = self._standing.get(node_id)
+        if kept is not None and kept[0] is fields and kept[1] is stability:
+            return kept[2]
+        ends = [
+            end
+            for _lag, caught_up, reported, _position in fields.values()
+            if (end := stability.standing_until(caught_up, reported)) is not None
+        ]
+        until = min(ends) if ends else None
+        self._standing[node_id] = (fields, stability, until)
+        return until
+
+    def _order_rows_of(self, node_id: str, stability: ChoiceStability) -> list[Where]:
+        """Where the node's later times could reorder a row (`could_reorder`), from the rows
+        as they are; kept until one of those rows is rebuilt (`_row_rebuilt`)."""
+        kept = self._order_rows.get(node_id)
+        if kept is not None and kept[0] is stability:
+            return kept[1]
+        rows = self._rows
+        found = [
+            (store, partition)
+            for store, partition in self._placed_on.get(node_id, ())
+            if stability.could_reorder(rows[store][partition], node_id)
+        ]
+        self._order_rows[node_id] = (stability, found)
+        return found
+
+    def _row_rebuilt(self, old: Row, new: Row) -> None:
+        """A row's replicas were replaced: its nodes' `_order_rows_of` are made again."""
+        order_rows = self._order_rows
+        if order_rows:
+            for replica in (*old, *new):
+                order_rows.pop(replica.node_id, None)
 
     def report_fields(self, node_id: str) -> Mapping[Where, ReportFields]:
         """The node's reports with their times as they read now (through its clock)."""
@@ -580,6 +637,7 @@ class TableBuilder:
         self._shifted, self._moved = set(), set()
         self._changed = None
         self._placed_on = {}
+        self._order_rows = {}
         self._partitioners = {name: self._partitioner(info) for name, info in self.stores.items()}
         self._rows = {name: [()] * info.partitions for name, info in self.stores.items()}
         done = 0
@@ -618,6 +676,7 @@ class TableBuilder:
             alive=self.alive,
             clock_of=self._clocks.get,
         )
+        self._row_rebuilt(old, new)
         self._classify(store, partition, old, new, now_ms)
 
     def _move_times(self, store: str, partition: int, shifted: set[str], now_ms: int) -> None:
@@ -648,6 +707,7 @@ class TableBuilder:
             row.append(replica)
         if replaced:  # on the current clock even without times to move (later shifts move it)
             new = rows[partition] = tuple(row)
+            self._row_rebuilt(old, new)
             if differs:
                 self._classify(store, partition, old, new, now_ms, differs=True)
 
