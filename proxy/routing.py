@@ -320,7 +320,13 @@ class ChoiceStability:
     def _same_time_side(self, before: Replica, after: Replica, now_ms: int) -> bool:
         limit = self.budget.max_ms
         if limit is None:
-            return True
+            # No budget to leave, but the answers' time lag reads the caught-up time: one that
+            # moved earlier or was lost (a store reset) must reach it at once, not wait for the
+            # choice to be renewed near its expiry, or the time lag would read smaller than true.
+            return before.caught_up_at_ms is None or (
+                after.caught_up_at_ms is not None
+                and after.caught_up_at_ms >= before.caught_up_at_ms
+            )
         if before.caught_up_at_ms is None or after.caught_up_at_ms is None:
             # A time lag of 0 (lag 0, no time) or unknown, alike on both sides.
             return before.caught_up_at_ms == after.caught_up_at_ms and (before.lag == 0) == (
