@@ -73,6 +73,33 @@ def test_a_pause_never_exceeds_what_is_left_of_the_budget():
     table = watcher()
     table._pause_left_s = 0.001
     assert table._pause_after(0.01) == pytest.approx(0.001)
+    table._pause_left_s = -0.002  # a late timer overspent it
     assert table._pause_after(0.01) == 0.0
     table._pause_left_s = STEP_PAUSE_BUDGET_S
     assert table._pause_after(0.001) == pytest.approx(0.001 * PAUSE_PER_STRETCH)
+
+
+def test_the_budget_pays_for_the_time_a_pause_took():
+    """On a busy loop a timer fires late: the step's delay is what the budget bounds, so it
+    is charged the time the pause took, not the time asked."""
+    table = watcher()
+    table._pause_left_s = STEP_PAUSE_BUDGET_S
+
+    async def yield_on_a_busy_loop() -> None:
+        async def hog() -> None:
+            await asyncio.sleep(0)
+            busy_until = time.perf_counter() + 0.02
+            while time.perf_counter() < busy_until:
+                pass  # a request that holds the loop 20 ms
+
+        other = asyncio.create_task(hog())
+        table._hold()
+        busy_until = time.perf_counter() + STRETCH_S
+        while time.perf_counter() < busy_until:
+            pass
+        await table._yield()  # asks for about 4 ms, gets the loop back after the hog's 20
+        await other
+
+    asyncio.run(yield_on_a_busy_loop())
+    spent = STEP_PAUSE_BUDGET_S - table._pause_left_s
+    assert spent >= 0.015, f"charged {spent * 1000:.1f} ms for a pause that took about 20 ms"
