@@ -749,10 +749,12 @@ def markdown(data: dict[str, Any]) -> str:
                 else ""
             ),
             "",
-            f"`{data['command']}` at {data['revision']}; {data['machine']}; the machine's "
+            f"`{data['command']}` at {data['revision']}{'+changes' if data.get('dirty') else ''}; "
+            f"{data['machine']}; the machine's "
             "1-minute load average after each size: "
             + ", ".join(f"{f['load_average_1m']}" for f in data["sizes"].values())
-            + " (above the core count, every figure here is stretched by other work).",
+            + " (above the core count, every figure here is stretched by other work). "
+            + placement_sentence(data),
             "",
             "| nodes/partitions | req/s | p50 ms | p99 ms | max ms | non-2xx | C path share "
             "| choices forgotten/s | choices kept/s | loop stall max ms "
@@ -765,6 +767,18 @@ def markdown(data: dict[str, Any]) -> str:
             *steady_markdown(data),
             data["projection"],
         ]
+    )
+
+
+def placement_sentence(data: dict[str, Any]) -> str:
+    cpus = data.get("request_path_cpus")
+    if not cpus:
+        return "Nothing was pinned: the proxy shared both cores with Redis and the writers."
+    return (
+        f"The request path (the proxy, the three nginx backends, wrk and the paced load) ran on "
+        f"CPU {cpus} alone, Redis and the simulated nodes' writers on the other: the sizes then "
+        "differ on the request path's core only by the proxy's table work, as a deployment "
+        "gives the routing tier cores of its own."
     )
 
 
@@ -786,9 +800,9 @@ def steady_markdown(data: dict[str, Any]) -> list[str]:
         f"The same load at every size: {rate:,} keyed GETs a second, paced, each timed from when "
         "it was due (so a stall shows in every request it delays), from a separate process; "
         'after the wrk window. "Straight to a backend" is the same load sent to one backend '
-        "instead, with the simulated nodes' writers still running: what the machine's load "
-        "does to latency at that size without the proxy; the proxy's own share of the p99 is "
-        'the difference. A stall\'s "proxy CPU at most" is the CPU time the proxy '
+        "instead, with the simulated nodes' writers and the proxy's table work still running: "
+        "what the rest of the machine does to latency at that size; the proxy's own share of "
+        'the p99 is the difference. A stall\'s "proxy CPU at most" is the CPU time the proxy '
         "process used while its loop was late: the rest of the stall it was waiting for a core.",
         "",
         "| nodes/partitions | p50 ms | p99 ms | max ms | requests | failed "
