@@ -250,18 +250,12 @@ class ChoiceStability:
             and self._same_time_side(before, after, now_ms)
         )
 
-    def later_times_keep_standing(
-        self, caught_up_at_ms: int | None, reported_at_ms: int | None, now_ms: int
-    ) -> bool:
-        """Whether a replica with these times (as they read now) is treated as it is now, by
-        every choice made since they were set, when they move later: fresh (or without a
-        report) and inside the time budget (or without a caught-up time). Later times can
-        make a stale report fresh and bring a time lag back inside the budget, nothing else."""
-        until = self.standing_until(caught_up_at_ms, reported_at_ms)
-        return until is None or now_ms <= until
-
     def standing_until(self, caught_up_at_ms: int | None, reported_at_ms: int | None) -> int | None:
-        """The last moment `later_times_keep_standing` holds for these times (None: always)."""
+        """The last moment a replica with these times (as they read now) is treated as it is
+        now, by every choice made since they were set, when they move later (None: always):
+        fresh (or without a report) and inside the time budget (or without a caught-up time).
+        Later times can make a stale report fresh and bring a time lag back inside the budget,
+        nothing else."""
         ends = []
         if reported_at_ms is not None:
             ends.append(reported_at_ms + self.stale_after_ms)
@@ -279,7 +273,7 @@ class ChoiceStability:
 
     def later_times_keep_order(self, row: Row, node_id: str) -> bool:
         """Whether moving `node_id`'s times later keeps the row's order (its standing kept:
-        `later_times_keep_standing`). Only a standby among several can move (`could_reorder`):
+        `standing_until`). Only a standby among several can move (`could_reorder`):
         later times rank it before standbys it sorts alike with but for its caught-up time, so
         it must already be before every one of them. Judged as if every replica were fresh:
         which of the others are fresh depends on the moment, and a cached choice may come
