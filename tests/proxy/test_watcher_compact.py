@@ -381,6 +381,42 @@ def test_a_changed_body_is_read(redis_server, client, rare_node_reads):
     watch(redis_server.url, keys, scenario)
 
 
+def test_a_body_written_between_the_sweeps_two_reads_is_applied_with_its_own_time(
+    redis_server, client, rare_node_reads
+):
+    """A node whose body changes on every report (a lagging replica) writes again between
+    the sweep's read of `report_at:<id>` and its read of the body: the body is applied at
+    once, as of the time written with it, not left for the next round."""
+    keys = compact_cluster(client)
+    stamp_prefix = keys.report_at("")
+
+    async def scenario(watcher: TableWatcher) -> None:
+        await bodies_known(watcher)
+        held = version_of(client, keys, "n0")
+        mget = watcher.redis.mget
+        raced: list[int] = []
+
+        async def writing_between(names, *args):  # type: ignore[no-untyped-def]
+            replies = await mget(names, *args)
+            stamps_only = all(n.startswith(stamp_prefix) for n in names)
+            if stamps_only and keys.report_at("n0") in names and not raced:
+                stamp = decode_report_at(replies[names.index(keys.report_at("n0"))])
+                if stamp[0] != held:  # the sweep will now read n0's body: write again first
+                    at = int(time.time() * 1000)
+                    write_node(client, keys, "n0", at, lag=8)
+                    raced.append(at)
+            return replies
+
+        watcher.redis.mget = writing_between  # type: ignore[method-assign]
+        write_node(client, keys, "n0", int(time.time() * 1000), lag=6)
+        await until(lambda: bool(raced), "the sweep never read the new stamp")
+        await until(lambda: lag_of(watcher, 0, "n0") == 8, "the newest body never applied")
+        assert reported_at(watcher, 0, "n0") == raced[0]
+        assert watcher.stats.unpaired_bodies == 0, "a body was read apart from its stamp"
+
+    watch(redis_server.url, keys, scenario)
+
+
 def test_a_body_report_at_does_not_name_is_not_applied_until_it_does(
     redis_server, client, rare_node_reads
 ):
