@@ -172,8 +172,8 @@ class RequestHandler:
         what `renewed` means), and its answers' time lag comes from an older caught-up time:
         larger than the truth, never smaller. A changed lag is renewed at once, so the
         `x-kroute-lag` answers name follows the reports as before. At the default sweep
-        (every node every 700 ms) and limit (3 s) a choice comes up for renewal at least
-        twice in its last 1.5 s.
+        (every node every 500 ms) and limit (3 s) a choice comes up for renewal at least
+        three times in its last 1.5 s.
 
         A confirmation that only moved a node's report clock (`proxy.choice.ReportClock`,
         moved in place by the table) names nothing here: the cached choices read that clock,

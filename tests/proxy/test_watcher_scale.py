@@ -266,7 +266,7 @@ def test_a_report_reaches_the_table_within_a_second_without_a_full_read(redis_se
         took, full_before, full_after = asyncio.run(watch())
     finally:
         client.close()
-    # The sweep reads every node within 700 ms, swapped in within 200 ms more; the slack is
+    # The sweep reads every node within 500 ms, swapped in within 200 ms more; the slack is
     # for a shared, busy machine.
     assert took < 2.0, f"the report took {took:.2f} s to reach the table"
     assert full_after == full_before, "the sweep brought it, not a full re-read"
