@@ -104,6 +104,12 @@ class Keys:
         return f"{self.prefix}events"
 
     @property
+    def tidy(self) -> str:
+        """Lease (a TTL'd string naming its holder) of the one agent (`kroute.agent`) that
+        looks for departed instances this round: a cluster of agents has no leader."""
+        return f"{self.prefix}tidy"
+
+    @property
     def dead_since(self) -> str:
         """Hash node id -> when a leader first saw it dead (ms, Redis time), so the grace
         period survives leader changes; a node's field goes when it is seen alive."""

@@ -1,6 +1,7 @@
 """Forgetting departed nodes (docs/redis-contract.md, "Departed nodes"), for writers that
 describe nodes other than themselves: the adapters that are the only writer of their cluster
-(`kroute adapt faust`, `kroute adapt fixed`) and test fixtures.
+(`kroute adapt faust`, `kroute adapt fixed`), the agents of a consumer group (`kroute.agent`,
+one agent a round, by lease) and test fixtures.
 
 A node gone for longer than the grace period, and placed nowhere, leaves the contract: its id
 out of `nodes` and `dead_since`, its per-node keys deleted, and a `node` event so proxies drop

@@ -64,6 +64,7 @@ from common.contract import (
     encode,
     write_node_report,
 )
+from common.departed import DEFAULT_GRACE_MS, departures, read_membership
 from materializer.kafka_offsets import fetch_high_watermarks
 
 log = structlog.get_logger("kroute.agent")
@@ -80,6 +81,12 @@ class AgentTiming:
     heartbeat_ms: int = 300
     alive_ttl_ms: int = 2000
     report_interval_ms: int = 250
+    # How often one of the agents (whichever takes the `tidy` lease) looks for departed
+    # instances: it reads every registered id's `alive:<id>`, so the group's cost is one read
+    # of the membership per interval, not one per agent.
+    tidy_ms: int = 60_000
+    # An instance dead this long and placed nowhere is forgotten (kroute's leader's default).
+    forget_after_ms: int = DEFAULT_GRACE_MS
 
 
 @dataclass
@@ -274,6 +281,7 @@ class Agent:
             asyncio.create_task(
                 self._every(self.timing.report_interval_ms, lambda: self.report(positions))
             ),
+            asyncio.create_task(self._every(self.timing.tidy_ms, self.forget_departed)),
         ]
         try:
             yield self
@@ -285,7 +293,7 @@ class Agent:
             await self._kafka.close()
             await self.redis.aclose()
 
-    async def _every(self, interval_ms: int, step: Callable[[], Awaitable[None]]) -> None:
+    async def _every(self, interval_ms: int, step: Callable[[], Awaitable[object]]) -> None:
         while True:
             try:
                 await step()
@@ -421,6 +429,45 @@ class Agent:
                 except WatchError:
                     continue  # another agent merged meanwhile: merge into theirs
 
+    async def forget_departed(self) -> bool:
+        """Forget the instances dead for `forget_after_ms` and placed nowhere, as kroute's
+        leader does (docs/redis-contract.md, "Departed nodes"): without it `nodes`, which every
+        proxy reads, keeps every id that ever registered, and instances in pods get a new id
+        each time they are replaced. No agent decides for the group, so whichever takes the
+        `tidy` lease (for `tidy_ms`) does this round; the others skip it (False). A wrong
+        call heals: a live instance's next heartbeat registers it again, its next report
+        rewrites its hosting."""
+        keys, timing = self.keys, self.timing
+        if not await self.redis.set(keys.tidy, self.node.node_id, nx=True, px=timing.tidy_ms):
+            return False
+        membership = await read_membership(self.redis, keys)
+        ids = sorted(membership.registered | set(membership.since) | membership.unreadable)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.get(keys.assignment)
+            if ids:
+                pipe.mget([keys.alive(node_id) for node_id in ids])
+            raw_assignment, *flags = await pipe.execute()
+        stored = _readable(raw_assignment)
+        if raw_assignment is not None and stored is None:
+            return True  # placements unknown: forget nobody (it may place anyone)
+        alive = flags[0] if flags else []
+        present = {n for n, flag in zip(ids, alive, strict=True) if flag is not None}
+        now_ms = self.clock.now_ms()
+        round_ = departures(
+            membership,
+            absent=set(ids) - present,
+            present=present,
+            placed=_placed_ids(stored),
+            now_ms=now_ms,
+            grace_ms=timing.forget_after_ms,
+        )
+        async with self.redis.pipeline(transaction=True) as pipe:
+            round_.queue(pipe, keys, now_ms)
+            await pipe.execute()
+        if round_.departed:
+            log.info("forgot departed instances", nodes=list(round_.departed))
+        return True
+
     async def _leave(self) -> None:
         """A clean stop: give up every partition and the heartbeat at once (the TTL would
         have said the same a little later)."""
@@ -430,6 +477,17 @@ class Agent:
                 await self._merge_assignment()
                 await self._write_hosting(None)
             await self.redis.delete(self.keys.alive(self.node.node_id))
+
+
+def _placed_ids(assignment: Assignment | None) -> set[str]:
+    """Every node id the assignment names, active or standby."""
+    placed: set[str] = set()
+    for placements in assignment.stores.values() if assignment else ():
+        for entry in placements.values():
+            if entry.active is not None:
+                placed.add(entry.active)
+            placed.update(entry.standbys)
+    return placed
 
 
 def _readable(raw: bytes | str | None) -> Assignment | None:

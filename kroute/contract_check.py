@@ -45,7 +45,7 @@ M = TypeVar("M", bound=BaseModel)
 # A proxy's default KROUTE_LAG_REPORT_STALE_MS: an older report is unknown lag.
 REPORT_STALE_MS = 3_000
 MAX_ALIVE_TTL_MS = 10_000  # a longer TTL is legal but keeps a dead node "alive" that long
-_KNOWN_KEYS = ("nodes", "stores", "assignment", "leader", "dead_since", "events")
+_KNOWN_KEYS = ("nodes", "stores", "assignment", "leader", "tidy", "dead_since", "events")
 _PER_NODE = ("node", "alive", "hosting", "lag", "report", "report_at")
 
 
@@ -558,6 +558,11 @@ def _check_leader_and_dead_since(client: redis.Redis, keys: Keys, report: Report
         report.error(keys.leader, f"is a {kind}, must be a string")
     elif kind == "string" and int(client.pttl(keys.leader)) < 0:
         report.error(keys.leader, "has no TTL: a dead leader would hold the lease forever")
+    kind = _type(client, keys.tidy)
+    if kind not in ("none", "string"):
+        report.error(keys.tidy, f"is a {kind}, must be a string")
+    elif kind == "string" and int(client.pttl(keys.tidy)) < 0:
+        report.error(keys.tidy, "has no TTL: no agent would look for departed instances again")
     kind = _type(client, keys.dead_since)
     if kind not in ("none", "hash"):
         report.error(keys.dead_since, f"is a {kind}, must be a hash")

@@ -149,7 +149,13 @@ async def main() -> None:
         store=StoreInfo(env["STORE"], service.topic, service.partitions),
         bootstrap_servers=env["BOOTSTRAP"],
         cluster=env["CLUSTER"],
-        timing=AgentTiming(heartbeat_ms=300, alive_ttl_ms=2000, report_interval_ms=250),
+        timing=AgentTiming(
+            heartbeat_ms=300,
+            alive_ttl_ms=2000,
+            report_interval_ms=250,
+            tidy_ms=int(env.get("TIDY_MS", AgentTiming.tidy_ms)),
+            forget_after_ms=int(env.get("FORGET_AFTER_MS", AgentTiming.forget_after_ms)),
+        ),
     )
     service.consumer.subscribe(
         [service.topic], listener=agent.aiokafka_listener(_Listener(service))

@@ -35,6 +35,7 @@ INSTANCES = ("a", "b", "c")
 STORE = "customers"
 REPO = Path(__file__).resolve().parents[2]
 TTL_MS = 2000
+FORGET_AFTER_MS = 3000  # the grace period after which a departed instance is forgotten
 
 
 @dataclass
@@ -65,6 +66,8 @@ class Deployment:
             "REDIS_URL": self.redis_server.url,
             "CLUSTER": self.keys.cluster,
             "STORE": STORE,
+            "TIDY_MS": "500",
+            "FORGET_AFTER_MS": str(FORGET_AFTER_MS),
         }
         command = [sys.executable, "-m", "tests.adapters.consumer_service"]
         process = self.services.start_process(f"svc-{self.topic}-{name}", command, env=env)
@@ -279,6 +282,24 @@ def test_a_killed_instance_is_seen_dead_within_the_ttl_and_its_partitions_move(
 
     moved_s = deployment.wait_settled({"a", "b"}, timeout_s=90) + seen_dead_s
     check_every_key(deployment, sorted(deployment.truth))
+
+    # Placed nowhere and dead past the grace period: one of the survivors' agents forgets it,
+    # so `nodes` does not keep every id that ever registered.
+    keys = deployment.keys
+
+    def forgotten() -> str | None:
+        left = [k for k in (keys.node(victim), keys.hosting(victim)) if deployment.redis.exists(k)]
+        if deployment.redis.sismember(keys.nodes, victim) or left:
+            return f"still described: nodes, {left}"
+        if victim in deployment.proxy.status()["nodes"]:
+            return "the proxy still lists it"
+        return None
+
+    why = wait_for(lambda: forgotten() is None, FORGET_AFTER_MS / 1000 + 15, forgotten)
+    assert why is None, why
+    assert deployment.redis.smembers(keys.nodes) == {b"a", b"b"}
+    report = check(deployment.redis, keys.cluster)
+    assert not report.errors, report.as_text()
     print(f"victim seen dead by the proxy after {seen_dead_s:.2f} s; partitions re-owned and "
           f"caught up after {moved_s:.1f} s")  # fmt: skip
 
