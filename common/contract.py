@@ -296,15 +296,23 @@ def decode_assignment(raw: bytes | str) -> Assignment:
     body = _load(raw)
     try:
         stores = {
-            store: {
-                int(p): PartitionAssignment(a["active"], tuple(a["standbys"]))
-                for p, a in parts.items()
-            }
+            store: {int(p): _placement(a) for p, a in parts.items()}
             for store, parts in body.pop("stores").items()
         }
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ContractError(f"not an Assignment: {exc}") from exc
     return _build(Assignment, {**body, "stores": stores})
+
+
+def _placement(entry: Any) -> PartitionAssignment:
+    """One partition's entry, its types checked: `tuple("b")` would read a string of
+    standbys as one standby per character, and a number as an active would name no node."""
+    active, standbys = entry["active"], entry["standbys"]
+    if active is not None and not isinstance(active, str):
+        raise TypeError(f"active {active!r} is not a node id or null")
+    if not isinstance(standbys, list) or not all(isinstance(s, str) for s in standbys):
+        raise TypeError(f"standbys {standbys!r} is not a list of node ids")
+    return PartitionAssignment(active, tuple(standbys))
 
 
 # -- the compact per-node report ---------------------------------------------------------------

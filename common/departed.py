@@ -75,11 +75,24 @@ async def read_membership(redis: aioredis.Redis, keys: Keys) -> Membership:
     since: dict[str, int] = {}
     unreadable: set[str] = set()
     for raw_node, raw_ms in raw_since.items():
+        node_id = _text_id(raw_node)
+        if node_id is None:
+            continue
         try:
-            since[as_text(raw_node)] = int(raw_ms)
+            since[node_id] = int(raw_ms)
         except ValueError:
-            unreadable.add(as_text(raw_node))
-    return Membership(frozenset(as_text(n) for n in members), since, frozenset(unreadable))
+            unreadable.add(node_id)
+    registered = frozenset(n for n in map(_text_id, members) if n is not None)
+    return Membership(registered, since, frozenset(unreadable))
+
+
+def _text_id(raw: bytes | str) -> str | None:
+    """A node id as text, or None for one that is not UTF-8 (no kroute writer registers one;
+    skipped, so one such id does not stop every other from being forgotten)."""
+    try:
+        return as_text(raw)
+    except UnicodeDecodeError:
+        return None
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,15 @@ import asyncio
 import contextlib
 import dataclasses
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable, Mapping
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Collection,
+    Iterable,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,14 +68,46 @@ from common.contract import (
     PartitionReport,
     ReportBodies,
     StoreInfo,
+    as_text,
     decode_assignment,
     encode,
     write_node_report,
 )
-from common.departed import DEFAULT_GRACE_MS, departures, read_membership
+from common.departed import DEFAULT_GRACE_MS, departures, per_node_keys, read_membership
 from materializer.kafka_offsets import fetch_high_watermarks
 
 log = structlog.get_logger("kroute.agent")
+
+# Forget the departed ids named, each only if it is still gone when the script runs: its
+# `alive:<id>` absent and its `dead_since` field at least the grace period old, and only if the
+# assignment is still the one the round read (a merge in between may place one of them). A
+# round reads, decides and then writes; an instance that heartbeats, another agent's round that
+# saw it alive, or a merge placing it in that gap must win.
+# KEYS: assignment, nodes, dead_since, events, then per id: node, alive, hosting, lag, report,
+# report_at. ARGV: the assignment as read ("" when absent), now_ms, grace_ms, the count, the
+# ids, then each id's event.
+FORGET_IF_STILL_GONE = """
+local stored = redis.call('GET', KEYS[1]) or ''
+if stored ~= ARGV[1] then
+  return {}
+end
+local now, grace, count = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local forgotten = {}
+for i = 1, count do
+  local id = ARGV[4 + i]
+  local first = 4 + (i - 1) * 6
+  local since = tonumber(redis.call('HGET', KEYS[3], id) or '')
+  if since and now - since >= grace and redis.call('EXISTS', KEYS[first + 2]) == 0 then
+    redis.call('SREM', KEYS[2], id)
+    redis.call('HDEL', KEYS[3], id)
+    redis.call('DEL', KEYS[first + 1], KEYS[first + 2], KEYS[first + 3], KEYS[first + 4],
+      KEYS[first + 5], KEYS[first + 6])
+    redis.call('PUBLISH', KEYS[4], ARGV[4 + count + i])
+    forgotten[#forgotten + 1] = id
+  end
+end
+return forgotten
+"""
 
 PositionSource = Callable[[Collection[int]], Awaitable[Mapping[int, int]]]
 """held partitions -> each one's position (next offset to apply); unknown ones left out."""
@@ -87,6 +127,11 @@ class AgentTiming:
     tidy_ms: int = 60_000
     # An instance dead this long and placed nowhere is forgotten (kroute's leader's default).
     forget_after_ms: int = DEFAULT_GRACE_MS
+
+    def __post_init__(self) -> None:
+        for name, value in dataclasses.asdict(self).items():
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"AgentTiming.{name} must be a positive number of ms: {value!r}")
 
 
 @dataclass
@@ -294,6 +339,7 @@ class Agent:
             await self.redis.aclose()
 
     async def _every(self, interval_ms: int, step: Callable[[], Awaitable[object]]) -> None:
+        current = asyncio.current_task()
         while True:
             try:
                 await step()
@@ -301,6 +347,11 @@ class Agent:
                 log.warning("redis unreachable; heartbeat lapsing", error=str(exc))
             except Exception:  # one bad step must not end the loop (the service runs on)
                 log.exception("agent step failed; retrying")
+            if current is not None and current.cancelling():
+                # A cancellation a client call swallowed (on 3.11 asyncio.wait_for can, when
+                # it lands as the call completes): without this the loop runs on and the
+                # service's shutdown waits for it forever.
+                raise asyncio.CancelledError
             await asyncio.sleep(interval_ms / 1000)
 
     async def heartbeat(self) -> None:
@@ -462,11 +513,26 @@ class Agent:
             grace_ms=timing.forget_after_ms,
         )
         async with self.redis.pipeline(transaction=True) as pipe:
-            round_.queue(pipe, keys, now_ms)
+            dataclasses.replace(round_, departed=()).queue(pipe, keys, now_ms)
             await pipe.execute()
         if round_.departed:
-            log.info("forgot departed instances", nodes=list(round_.departed))
+            forgotten = await self._forget(round_.departed, raw_assignment, now_ms)
+            if forgotten:
+                log.info("forgot departed instances", nodes=forgotten)
         return True
+
+    async def _forget(self, node_ids: Sequence[str], seen: bytes | None, now_ms: int) -> list[str]:
+        """Forget the ids still gone when Redis runs it (`FORGET_IF_STILL_GONE`); those it
+        forgot."""
+        keys = self.keys
+        script_keys = [keys.assignment, keys.nodes, keys.dead_since, keys.events]
+        for node_id in node_ids:
+            script_keys.extend(per_node_keys(keys, node_id))
+        events = [encode(Event("node", node_id=node_id)) for node_id in node_ids]
+        args: list[bytes | str | int] = [seen or b"", now_ms, self.timing.forget_after_ms]
+        args += [len(node_ids), *node_ids, *events]
+        reply = await self.redis.eval(FORGET_IF_STILL_GONE, len(script_keys), *script_keys, *args)
+        return [as_text(node_id) for node_id in reply]
 
     async def _leave(self) -> None:
         """A clean stop: give up every partition and the heartbeat at once (the TTL would
