@@ -178,6 +178,12 @@ class Assignment:
                     hosted.setdefault(store, {"active": [], "standby": []})[role].append(partition)
         return hosted
 
+    def placed_nodes(self) -> set[str]:
+        """Every node id it names, active or standby, in any store."""
+        return {
+            node for parts in self.stores.values() for p in parts.values() for node in p.replicas()
+        }
+
 
 @dataclass(frozen=True)
 class Hosting:

@@ -508,7 +508,7 @@ class Agent:
             membership,
             absent=set(ids) - present,
             present=present,
-            placed=_placed_ids(stored),
+            placed=stored.placed_nodes() if stored else set(),
             now_ms=now_ms,
             grace_ms=timing.forget_after_ms,
         )
@@ -543,17 +543,6 @@ class Agent:
                 await self._merge_assignment()
                 await self._write_hosting(None)
             await self.redis.delete(self.keys.alive(self.node.node_id))
-
-
-def _placed_ids(assignment: Assignment | None) -> set[str]:
-    """Every node id the assignment names, active or standby."""
-    placed: set[str] = set()
-    for placements in assignment.stores.values() if assignment else ():
-        for entry in placements.values():
-            if entry.active is not None:
-                placed.add(entry.active)
-            placed.update(entry.standbys)
-    return placed
 
 
 def _readable(raw: bytes | str | None) -> Assignment | None:

@@ -553,16 +553,8 @@ def _check_served(
 
 
 def _check_leader_and_dead_since(client: redis.Redis, keys: Keys, report: Report) -> None:
-    kind = _type(client, keys.leader)
-    if kind not in ("none", "string"):
-        report.error(keys.leader, f"is a {kind}, must be a string")
-    elif kind == "string" and int(client.pttl(keys.leader)) < 0:
-        report.error(keys.leader, "has no TTL: a dead leader would hold the lease forever")
-    kind = _type(client, keys.tidy)
-    if kind not in ("none", "string"):
-        report.error(keys.tidy, f"is a {kind}, must be a string")
-    elif kind == "string" and int(client.pttl(keys.tidy)) < 0:
-        report.error(keys.tidy, "has no TTL: no agent would look for departed instances again")
+    _check_lease(client, keys.leader, report, "a dead leader would hold the lease forever")
+    _check_lease(client, keys.tidy, report, "no agent would look for departed instances again")
     kind = _type(client, keys.dead_since)
     if kind not in ("none", "hash"):
         report.error(keys.dead_since, f"is a {kind}, must be a hash")
@@ -570,6 +562,15 @@ def _check_leader_and_dead_since(client: redis.Redis, keys: Keys, report: Report
         for node, since in client.hgetall(keys.dead_since).items():
             if not since.isdigit():
                 report.error(keys.dead_since, f"field {as_text(node)!r}: {since!r} is not ms")
+
+
+def _check_lease(client: redis.Redis, key: str, report: Report, without_ttl: str) -> None:
+    """A lease: absent, or a string with a TTL."""
+    kind = _type(client, key)
+    if kind not in ("none", "string"):
+        report.error(key, f"is a {kind}, must be a string")
+    elif kind == "string" and int(client.pttl(key)) < 0:
+        report.error(key, f"has no TTL: {without_ttl}")
 
 
 def _check_unknown_keys(keys: Keys, report: Report, seen: _Snapshot, present: set[str]) -> None:

@@ -316,10 +316,7 @@ class ClusterMember:
         again with its next heartbeat. Without this, `nodes` keeps every id that ever
         registered (pods get new ones) and every reader reads more each time."""
         at = self.clock.now_ms()
-        placed = {
-            node for parts in assignment.stores.values() for p in parts.values()
-            for node in p.replicas()
-        }  # fmt: skip
+        placed = assignment.placed_nodes()
         departed = sorted(
             m.node_id
             for m in members.values()
@@ -373,10 +370,7 @@ class ClusterMember:
         # Never know less than the last assignment: a Redis that lost its data (restarted
         # empty) must not make the leader drop stores and nodes before they register again.
         # Nodes it held count as members (dead until their heartbeat returns: grace applies).
-        placements = (
-            [p for parts in previous.stores.values() for p in parts.values()] if previous else []
-        )
-        remembered_nodes = {node for placed in placements for node in placed.replicas()}
+        remembered_nodes = previous.placed_nodes() if previous else set()
 
         registered = {as_text(n) for n in await self.redis.smembers(self.keys.nodes)}
         node_ids = sorted(registered | remembered_nodes)
