@@ -19,6 +19,7 @@ here, which computes and caches it.
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -116,6 +117,12 @@ class RequestHandler:
         self._choices: dict[str, list[Cached | None]] = {}
         self._route_partitioners: dict[tuple[int, int], KeyPartitioner] = {}
         self._counter = 0
+        # Kept choices left for later on clocks the table replaced (`renew_choices`): a heap
+        # of (due ms, sequence, store, partition, the choice), and what each partition waits
+        # with, so a choice is queued once however many reports leave it alone meanwhile.
+        self._due: list[tuple[int, int, str, int, Cached]] = []
+        self._queued: dict[tuple[str, int], Cached] = {}
+        self._queued_count = 0
         # What a keyed read that asks for no budget carries to its node (proxy.freshness); an
         # exchange adopted from the C path carried the same lines, so its refusals are read.
         self._node_budget = node_budget(policy.budget, policy.unknown_lag)
@@ -177,27 +184,74 @@ class RequestHandler:
 
         A confirmation that only moved a node's report clock (`proxy.choice.ReportClock`,
         moved in place by the table) names nothing here: the cached choices read that clock,
-        for their answers' time lag and for their expiry (`Cached.live`)."""
+        for their answers' time lag and for their expiry (`Cached.live`). So a choice left
+        for later while its node's clock was replaced (a node read, or a body that changed)
+        would read the old clock, which nothing moves any more, and expire although its
+        replicas are fresh, unless a later report named it again: it is queued, and renewed
+        when half its limit remains by `renew_due`."""
         if snapshot is not self.snapshot:
             return  # a newer table is in use: its replicas, not these, are the truth
         cache, route = self._choices.get(name), snapshot.stores.get(name)
         if cache is None or route is None:
             return
         at = now_ms()
-        policy = self.policy
-        renew_after = at + policy.stale_after_ms // 2  # expiring sooner than this: renewed
+        renew_after = at + self.policy.stale_after_ms // 2  # expiring sooner: renewed now
         for partition in partitions:
             cached = cache[partition]
             if cached is None or not cached.live(at):
                 continue  # none, or expired: the next request computes it
-            if cached.expires_ms > renew_after and _same_lags(cached, route.replicas[partition]):
-                continue  # only times moved, and it lives long enough: renewed later
             replicas = route.replicas[partition]
-            cap, terms = expiry_terms(
-                replicas, policy.budget, now_ms=at, stale_after_ms=policy.stale_after_ms
-            )
-            if expires_at(cap, terms) <= cached.expires_ms:
+            if cached.expires_ms > renew_after and _same_lags(cached, replicas):
+                # Only times moved, and it lives long enough: renewed later.
+                if not _reads_clocks_of(cached, replicas):
+                    self._renew_later(name, partition, cached)
                 continue
+            self._renew(cache, partition, cached, replicas, at)
+
+    def renew_due(self, snapshot: RoutingSnapshot, limit: int) -> bool:
+        """Renew up to `limit` of the choices `renew_choices` left for later on replaced
+        clocks whose turn has come (half their limit remains), from `snapshot`'s replicas
+        (the rows they were kept for: a row that changed since would have forgotten or
+        renewed them). True when more are due now (the caller yields, then calls again)."""
+        due = self._due
+        if snapshot is not self.snapshot:
+            return False  # a newer table is in use: called again with it
+        at = now_ms()
+        done = 0
+        while due and due[0][0] <= at and done < limit:
+            _, _, name, partition, cached = heapq.heappop(due)
+            if self._queued.get((name, partition)) is cached:
+                del self._queued[(name, partition)]
+            cache, route = self._choices.get(name), snapshot.stores.get(name)
+            if cache is None or route is None or partition >= len(cache):
+                continue
+            if cache[partition] is not cached or not cached.live(at):
+                continue  # renewed, forgotten or expired since: nothing to do
+            self._renew(cache, partition, cached, route.replicas[partition], at)
+            done += 1
+        return bool(due) and due[0][0] <= at
+
+    def _renew_later(self, name: str, partition: int, cached: Cached) -> None:
+        if self._queued.get((name, partition)) is cached:
+            return
+        self._queued[(name, partition)] = cached
+        self._queued_count += 1
+        due_ms = expires_at(cached.cap_ms, cached.terms) - self.policy.stale_after_ms // 2
+        heapq.heappush(self._due, (due_ms, self._queued_count, name, partition, cached))
+
+    def _renew(
+        self,
+        cache: list[Cached | None],
+        partition: int,
+        cached: Cached,
+        replicas: tuple[Replica, ...],
+        at: int,
+    ) -> None:
+        policy = self.policy
+        cap, terms = expiry_terms(
+            replicas, policy.budget, now_ms=at, stale_after_ms=policy.stale_after_ms
+        )
+        if expires_at(cap, terms) > cached.expires_ms:
             cache[partition] = _renewed(cached, replicas, partition, cap, terms)
 
     def _use_targets(self, node_urls: Mapping[str, str]) -> None:
@@ -394,6 +448,13 @@ class RequestHandler:
                 cap_ms=cap,
             )
         return choice, candidates
+
+
+def _reads_clocks_of(cached: Cached, replicas: tuple[Replica, ...]) -> bool:
+    """Whether every clock the choice's expiry reads is one of `replicas`' (the table's
+    current clocks, which confirmations move)."""
+    clocks = [replica.clock for replica in replicas]
+    return all(any(clock is c for c in clocks) for clock, _base in cached.terms)
 
 
 def _same_lags(cached: Cached, replicas: tuple[Replica, ...]) -> bool:

@@ -164,7 +164,9 @@ class Proxy:
         self.pool.adopt = lambda connection: Exchange.adopt(context, connection)
         self.ejections.on_change = self.handler.forget_choices
         self.watcher.on_snapshot = self.handler.use_snapshot
-        self.watcher.keep_choices(self.handler.choice_stability, self.handler.renew_choices)
+        self.watcher.keep_choices(
+            self.handler.choice_stability, self.handler.renew_choices, self.handler.renew_due
+        )
         self.watcher.freeze_heap = True
         self.watcher.stall_report_ms = settings.stall_report_ms
         self.registry = CollectorRegistry(auto_describe=True)

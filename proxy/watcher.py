@@ -160,6 +160,9 @@ NODE_READ_S = 30.0
 # The request path's renewal of its cached choices of some partitions of a store (see
 # `TableWatcher.keep_choices`).
 Renew = Callable[[RoutingSnapshot, str, list[int]], None]
+# The request path's renewal of the kept choices it left for later whose turn has come, up to
+# a number of them; True when more are due (see `TableWatcher.keep_choices`).
+RenewDue = Callable[[RoutingSnapshot, int], bool]
 
 
 @dataclass
@@ -277,6 +280,7 @@ class TableWatcher:
         self._stretch_started_s = 0.0
         self._pause_left_s = 0.0  # of this step's pause budget (STEP_PAUSE_BUDGET_S)
         self._renew: Renew | None = None
+        self._renew_due: RenewDue | None = None
         # Freeze the heap after every swap (see _freeze_heap): for a process whose heap is
         # mostly its table (the proxy), not for tests that run a watcher among other things.
         self.freeze_heap = False
@@ -284,15 +288,20 @@ class TableWatcher:
         self.stall_report_ms: int | None = None
         self._full_collect_s = time.monotonic()
 
-    def keep_choices(self, stability: ChoiceStability, renew: Renew) -> None:
+    def keep_choices(
+        self, stability: ChoiceStability, renew: Renew, renew_due: RenewDue | None = None
+    ) -> None:
         """How to tell, under the request path's policy, a partition whose replicas changed
         but whose choice did not (`ChoiceStability.same`): snapshots name such partitions in
         `renewed` instead of `changed`, so the choices cached for them stay in use, and after
         each swap `renew(snapshot, store, partitions)` is called for them a step of
         partitions at a time (yielding to the loop in between) to renew those choices from
-        the new replicas."""
+        the new replicas. `renew_due(snapshot, most)`, called on every step of the loop
+        until it says no more are due (yielding in between), renews those `renew` left for
+        later whose turn has come."""
         self._table.stability = stability
         self._renew = renew
+        self._renew_due = renew_due
 
     def refresh_soon(self) -> None:
         """Something suggests the table is out of date (a node refused a request): read
@@ -345,6 +354,7 @@ class TableWatcher:
         await self._read_reports([n for n in swept if n not in whole])
         if urgent or time.monotonic() - self._last_swap_s >= PUBLISH_GAP_S:
             await self._publish()
+        await self._renew_due_choices()
 
     async def _read_everything(self) -> None:
         self._full_due = False
@@ -744,6 +754,15 @@ class TableWatcher:
                     return  # a newer table came in: what it renews, it says itself
                 self._renew(snapshot, name, ordered[start : start + STEP_PARTITIONS])
                 await self._pace()
+
+    async def _renew_due_choices(self) -> None:
+        """The request path's renewals left for later whose turn has come, in steps."""
+        if self._renew_due is None:
+            return
+        self._hold()
+        while self._renew_due(self.snapshot, STEP_PARTITIONS):
+            await self._pace()
+        await self._yield()
 
     def _swap(self, snapshot: RoutingSnapshot) -> None:
         if self._changes_dropped:
