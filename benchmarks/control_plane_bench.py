@@ -27,6 +27,11 @@ proxy CPU (all of it and the table's share); the proxy's Redis traffic (bytes on
 to Redis, from `ss`, and the commands its watcher sent); Redis CPU with and without the proxy;
 propagation p50/p99; and, for comparison, what one full re-read (the watcher before issue 22:
 every key of every node, every second and on every event) reads and costs.
+The same paced load (`--steady-rate`) then runs through the proxy, straight to a backend, and
+through a proxy of a small cluster (SMALL_TABLE, its own writers) started after the size's proxy
+stopped, the size's writers still running: the size's p99 beside the small table's says what
+the table costs the request path apart from what the machine's other work does to every
+latency at that size.
 
 Results: benchmarks/results/control_plane.json and the `control_plane` section of RESULTS.md.
 
@@ -88,6 +93,8 @@ STORE = "s"
 REPORT_MS = 250
 ALIVE_TTL_MS = 2_000
 RECORDS_PER_S = 100  # per partition: end offsets grow, every report differs
+# The table of the proxy whose paced p99 each size's is set beside, under that size's writers.
+SMALL_TABLE = (20, 240)
 PROBE_PARTITION = 0
 PROBE_LAG = 1_000
 PROBE_EVERY_S = 1.5
@@ -563,6 +570,7 @@ def measure_size(
         finally:
             proxy.process.stop()
             proxy.close()
+        figures["steady"]["small_table"] = measure_small_table(services, redis_url, backends, args)
     finally:
         writers.close()
         client.close()
@@ -582,6 +590,34 @@ def measure_size(
         round(baseline_read["bytes"] / per_proxy, 1) if per_proxy else None
     )
     return figures
+
+
+def measure_small_table(
+    services: EmbeddedServices, redis_url: str, backends: list[str], args: argparse.Namespace
+) -> dict[str, Any]:
+    """The same paced load through a proxy of a SMALL_TABLE cluster (its own writers), while
+    this size's writers and Redis keep the machine as busy as before: this size's p99 beside
+    this one is what its table costs the request path, apart from what the rest of the machine
+    does to every latency here (the two cores are shared; the p99 straight to a backend grows
+    with the size too). The size's own proxy is stopped first: its watcher would run beside."""
+    nodes_n, partitions = SMALL_TABLE
+    cluster = f"cp-small-{nodes_n}-{partitions}"
+    writers = start_writers(redis_url, cluster, SMALL_TABLE, args.standbys, 1, backends)
+    try:
+        time.sleep(2)
+        proxy = start_proxy(
+            services, redis_url, name=f"proxy-{cluster}", cluster=cluster, max_lag="1000",
+            max_lag_ms="60000", log_level="debug", timeout_s=120, cpus=args.request_path_cpus,
+        )  # fmt: skip
+        try:
+            time.sleep(args.warmup_seconds)
+            figures = measure_steady(proxy, args)
+        finally:
+            proxy.process.stop()
+            proxy.close()
+    finally:
+        writers.close()
+    return {"size": f"{nodes_n}/{partitions}", **figures}
 
 
 def measure_window(
@@ -705,6 +741,14 @@ def _direct_cell(direct: dict[str, Any] | None) -> str:
     return "" if direct is None else f"{direct['p50_ms']} / {direct['p99_ms']}"
 
 
+def _small_table_cell(steady: dict[str, Any]) -> str:
+    small = steady.get("small_table")
+    if small is None or not small.get("p99_ms") or steady.get("p99_ms") is None:
+        return ""
+    ratio = steady["p99_ms"] / small["p99_ms"]
+    return f"{small['p50_ms']} / {small['p99_ms']} ({ratio:.2f}x)"
+
+
 def _propagation_cell(prop: dict[str, Any] | None) -> str:
     return "" if prop is None else f"{prop['p50']} / {prop['p99']} ({prop['samples']})"
 
@@ -793,7 +837,7 @@ def steady_markdown(data: dict[str, Any]) -> list[str]:
         f"| {sum(f['failed'].values()):,} | {_direct_cell(f.get('direct'))} "
         f"| {f['loop_stall_max_ms']} "
         f"| {f['loop_stall_busy_max_ms']} | {f['table_hold_max_ms']} | {f['proxy_cpu_percent']} "
-        f"| {_propagation_cell(f.get('propagation_ms'))} |"
+        f"| {_propagation_cell(f.get('propagation_ms'))} | {_small_table_cell(f)} |"
         for name, f in steady.items()
     ]
     return [
@@ -803,13 +847,19 @@ def steady_markdown(data: dict[str, Any]) -> list[str]:
         "instead, with the simulated nodes' writers and the proxy's table work still running: "
         "what the rest of the machine does to latency at that size; the proxy's own share of "
         'the p99 is the difference. A stall\'s "proxy CPU at most" is the CPU time the proxy '
-        "process used while its loop was late: the rest of the stall it was waiting for a core.",
+        "process used while its loop was late: the rest of the stall it was waiting for a core. "
+        '"Small table, same background" is the same load through a proxy of a '
+        f"{SMALL_TABLE[0]}/{SMALL_TABLE[1]} cluster (nodes/partitions), measured at each size "
+        "after that size's proxy stopped, with that size's writers and Redis still running: "
+        "the size's p99 over it (the ratio) is what the size's table costs the request path, "
+        "apart from what the machine's other work does to every latency at that size.",
         "",
         "| nodes/partitions | p50 ms | p99 ms | max ms | requests | failed "
         "| straight to a backend p50 / p99 ms "
         "| loop stall max ms | of it proxy CPU at most ms | table hold max ms | proxy CPU % "
-        "| propagation p50/p99 ms (samples) |",
-        "|---|" + "---:|" * 11,
+        "| propagation p50/p99 ms (samples) "
+        "| small table, same background: p50 / p99 ms (p99 ratio) |",
+        "|---|" + "---:|" * 12,
         *rows,
         "",
     ]

@@ -104,3 +104,44 @@ def test_the_proxy_freezes_its_heap_after_a_swap(redis_server):
     finally:
         gc.unfreeze()  # this test process's heap goes back to the collector
         client.close()
+
+
+def test_the_watcher_asks_for_due_renewals_on_every_step_until_none_are_left(redis_server):
+    """Choices the request path left for later on a replaced clock are renewed when their
+    turn comes only if the watcher asks (`renew_due`) on its steps, with the snapshot in use,
+    again while more are due, and even when no report changes anything."""
+    keys = Keys(f"choices-due-{uuid.uuid4().hex[:8]}")
+    client = redis.Redis.from_url(redis_server.url)
+    calls: list[tuple[bool, int]] = []
+    more_due = [3]
+
+    async def watch() -> None:
+        connection = aioredis.Redis.from_url(redis_server.url)
+        watcher = TableWatcher(
+            connection, keys, refresh_interval_ms=1000, networks=None, clock=SharedClock()
+        )
+
+        def renew_due(snapshot: RoutingSnapshot, most: int) -> bool:
+            calls.append((snapshot is watcher.snapshot, most))
+            more_due[0] -= 1
+            return more_due[0] >= 0
+
+        stability = ChoiceStability(LagBudget(100, None), "reject", 3_000)
+        watcher.keep_choices(stability, lambda *_: None, renew_due)
+        running = asyncio.create_task(watcher.run())
+        try:
+            await watcher.refresh()
+            await asyncio.sleep(1.5)
+        finally:
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
+            await connection.aclose()
+
+    try:
+        publish(client, keys, 4, 8, int(time.time() * 1000))
+        asyncio.run(watch())
+    finally:
+        client.close()
+    assert len(calls) >= 8, "asked on every step (every 0.1 s), not only after a swap"
+    assert all(current for current, _ in calls), "always with the snapshot in use"
+    assert all(most > 0 for _, most in calls)
