@@ -537,12 +537,8 @@ def measure_size(
         time.sleep(args.quiet_seconds)
         after = redis_totals(client)
         writers_only = {k: (after[k] - before[k]) / args.quiet_seconds for k in after}
-        proxy = start_proxy(
-            services, redis_url, name=f"proxy-{cluster}", cluster=cluster, max_lag="1000",
-            max_lag_ms="60000", log_level="debug", timeout_s=120, cpus=args.request_path_cpus,
-        )  # fmt: skip
+        proxy = start_bench_proxy(services, redis_url, cluster, args)
         try:
-            time.sleep(args.warmup_seconds)
             # Propagation is probed through both windows (flat out, then the same load), for
             # a flip every 1.5 s: more samples than one window gives.
             stop = threading.Event()
@@ -592,6 +588,18 @@ def measure_size(
     return figures
 
 
+def start_bench_proxy(
+    services: EmbeddedServices, redis_url: str, cluster: str, args: argparse.Namespace
+) -> ProxyHandle:
+    """A proxy of `cluster` (debug logs: its watcher's stats lines), after its warm-up."""
+    proxy = start_proxy(
+        services, redis_url, name=f"proxy-{cluster}", cluster=cluster, max_lag="1000",
+        max_lag_ms="60000", log_level="debug", timeout_s=120, cpus=args.request_path_cpus,
+    )  # fmt: skip
+    time.sleep(args.warmup_seconds)
+    return proxy
+
+
 def measure_small_table(
     services: EmbeddedServices, redis_url: str, backends: list[str], args: argparse.Namespace
 ) -> dict[str, Any]:
@@ -605,12 +613,8 @@ def measure_small_table(
     writers = start_writers(redis_url, cluster, SMALL_TABLE, args.standbys, 1, backends)
     try:
         time.sleep(2)
-        proxy = start_proxy(
-            services, redis_url, name=f"proxy-{cluster}", cluster=cluster, max_lag="1000",
-            max_lag_ms="60000", log_level="debug", timeout_s=120, cpus=args.request_path_cpus,
-        )  # fmt: skip
+        proxy = start_bench_proxy(services, redis_url, cluster, args)
         try:
-            time.sleep(args.warmup_seconds)
             figures = measure_steady(proxy, args)
         finally:
             proxy.process.stop()
