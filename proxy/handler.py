@@ -227,7 +227,7 @@ class RequestHandler:
                 continue
             if cache[partition] is not cached or not cached.live(at):
                 continue  # renewed, forgotten or expired since: nothing to do
-            self._renew(cache, partition, cached, route.replicas[partition], at)
+            self._renew(cache, partition, cached, route.replicas[partition], at, follow=True)
             done += 1
         return bool(due) and due[0][0] <= at
 
@@ -246,12 +246,20 @@ class RequestHandler:
         cached: Cached,
         replicas: tuple[Replica, ...],
         at: int,
+        *,
+        follow: bool = False,
     ) -> None:
+        """Replace the choice with one on `replicas` when that lives longer, or (`follow`)
+        when it reads a replaced clock: the current row may expire when the choice does (its
+        earliest replica not confirmed yet), yet only the current clocks move on later
+        confirmations; on the old ones the choice would expire with fresh replicas."""
         policy = self.policy
         cap, terms = expiry_terms(
             replicas, policy.budget, now_ms=at, stale_after_ms=policy.stale_after_ms
         )
-        if expires_at(cap, terms) > cached.expires_ms:
+        if expires_at(cap, terms) > cached.expires_ms or (
+            follow and not _reads_clocks_of(cached, replicas)
+        ):
             cache[partition] = _renewed(cached, replicas, partition, cap, terms)
 
     def _use_targets(self, node_urls: Mapping[str, str]) -> None:

@@ -372,6 +372,15 @@ def _same_partitions(before: Hosting, after: Hosting) -> bool:
     return before.stores is after.stores or before.stores == after.stores
 
 
+def _clocks_replaced(old: Row, new: Row) -> bool:
+    """Whether a replica of `new` reads its times through another clock than the same
+    replica of `old` (the rows equal: the same nodes in the same order)."""
+    return any(
+        before.clock is not after.clock and after.has_times
+        for before, after in zip(old, new, strict=True)
+    )
+
+
 def _url_of(info: NodeInfo | None) -> str | None:
     return None if info is None else info.url
 
@@ -716,7 +725,14 @@ class TableBuilder:
     ) -> None:
         """Name a partition whose row changed (`differs`: known to) renewed when its choice
         stays, else changed."""
-        if self._changed is None or not (differs or new != old):
+        if self._changed is None:
+            return
+        if not differs and new == old:
+            if _clocks_replaced(old, new):
+                # Equal rows on a new clock (a node read whose reports say what the table
+                # holds): the choice stays, but a kept one still reads the replaced clock,
+                # which nothing moves any more; named so the request path follows the new.
+                self._renewed.setdefault(store, set()).add(partition)
             return
         if self.stability is not None and self.stability.same(old, new, now_ms):
             self._renewed.setdefault(store, set()).add(partition)

@@ -12,8 +12,6 @@ from __future__ import annotations
 import asyncio
 from unittest.mock import patch
 
-import pytest
-
 from common.contract import Hosting, PartitionReport, StoreInfo
 from proxy._hotpath import Cached
 from proxy.choice import LagBudget, choose_replicas
@@ -29,10 +27,6 @@ from tests.proxy.test_routing_choice_stability import (
 T = 70_000_000  # every moment below is T + something (now_ms is patched to it)
 NODES = [f"n{i}" for i in range(4)]
 P = 3  # the partition whose choice is followed
-
-# Known gaps (an early expiry: a request leaves the C path, never a stale answer), kept failing.
-_GAP_REQUEUE = "a due choice that could not be extended is dropped from the queue, not re-queued"
-_GAP_UNNAMED = "a new clock that changes no row names no partition: no kept choice is queued"
 
 
 def _at(moment: int):
@@ -257,24 +251,19 @@ async def _limit() -> None:
         assert cached.live(T + 3_000), partition
 
 
-# -- the gaps: kept choices on replaced clocks that still expire with fresh replicas ----------
+# -- once gaps: kept choices on replaced clocks that expired with fresh replicas --------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=_GAP_REQUEUE,
-)
-def test_gap_a_due_choice_that_could_not_be_extended_yet_still_follows_the_new_clock():
+def test_a_due_choice_that_could_not_be_extended_yet_still_follows_the_new_clock():
     asyncio.run(_not_extended_yet())
 
 
 async def _not_extended_yet() -> None:
     """The node read replaces one node's clock; the other replica of the row holds the
     earliest expiry and is not confirmed before the choice is due. At its turn `renew_due`
-    finds nothing to extend (the current row expires when the choice does), drops it from
-    the queue, and nothing queues it again: confirmations then move both nodes' current
-    clocks in place, the choice still reads the replaced one, and expires at T + 2,501 while
-    the table gives the same choice until T + 3,501."""
+    finds nothing to extend (the current row expires when the choice does) and still moves
+    the choice onto the current clocks: confirmations then move them in place, and the
+    choice lives as long as the table gives it (T + 3,501), not T + 2,501 on the old clock."""
     handler, table = _handler_and_table(NODES)
     _cluster(table, NODES, 8, 0, T - 500)
     snapshot = _swap(table, handler, T)
@@ -297,19 +286,15 @@ async def _not_extended_yet() -> None:
     assert cached.live(T + 2_600), "expired reading the replaced clock, replicas fresh"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=_GAP_UNNAMED,
-)
-def test_gap_a_clock_replaced_by_a_node_read_that_changes_no_row_still_moves_kept_choices():
+def test_a_clock_replaced_by_a_node_read_that_changes_no_row_still_moves_kept_choices():
     asyncio.run(_replaced_unnamed())
 
 
 async def _replaced_unnamed() -> None:
     """A node read whose reports say what the table holds (its hosting stamped anew) gives
-    the node a new clock (`set_node`); the rows are equal, so no partition is named and
-    `renew_choices` never sees the choice, which reads the replaced clock. Confirmations
-    move the new clock in place; the choice expires with fresh replicas."""
+    the node a new clock (`set_node`); the rows are equal, yet their replicas read the new
+    clock, so the partition is named renewed (not changed) and the kept choice queued.
+    Confirmations move the new clock in place; the choice lives while its replicas are fresh."""
     handler, table = _handler_and_table(NODES)
     _cluster(table, NODES, 8, 0, T - 500)
     snapshot = _swap(table, handler, T)
@@ -317,9 +302,10 @@ async def _replaced_unnamed() -> None:
     for node_id in NODES:
         _node_read(table, node_id, T - 500, T + 50)  # same reports, hosting stamped later
     snapshot = _swap(table, handler, T + 100)
-    assert not snapshot.renewed.get("s")
-    assert not (snapshot.changed or {}).get("s")
+    assert P in snapshot.renewed.get("s", ())
+    assert P not in (snapshot.changed or {}).get("s", ())
     assert handler._choices["s"][P] is first
+    assert handler._queued.get(("s", P)) is first, "queued: it reads a replaced clock"
     _confirm_in_place(table, NODES, 1_000, T + 600)
     assert table.clocks_moved_in_place >= len(NODES)
     for at in range(T + 700, T + 2_700, 100):
