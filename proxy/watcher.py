@@ -390,10 +390,23 @@ class TableWatcher:
     # -- reading -----------------------------------------------------------------------------
 
     async def _read_head(self) -> None:
-        keys = self.keys
         with_assignment = self._assignment_due or (
             time.monotonic() - self._last_assignment_s >= ASSIGNMENT_READ_S
         )
+        # Cleared before the reads, not after: an event that lands while they are in flight
+        # may postdate what they return, and must make the next step read the head again.
+        self._head_due = False
+        if with_assignment:
+            self._assignment_due = False
+        try:
+            await self._read_head_from_redis(with_assignment)
+        except BaseException:
+            self._head_due = True  # not read: still due (with the assignment, if it was)
+            self._assignment_due = self._assignment_due or with_assignment
+            raise
+
+    async def _read_head_from_redis(self, with_assignment: bool) -> None:
+        keys = self.keys
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.smembers(keys.nodes)
             pipe.smembers(keys.stores)
@@ -411,7 +424,6 @@ class TableWatcher:
             for name in store_names:
                 pipe.get(keys.store(name))
             results = await pipe.execute()
-        self._head_due = False
         self._last_head_s = time.monotonic()
         self._count(4 + len(store_names), node_set, store_set, assignment_reply, results)
         alive_flags = results[0] if node_ids else []
@@ -424,7 +436,6 @@ class TableWatcher:
         table = self._table
         table.set_stores(stores)
         if with_assignment:
-            self._assignment_due = False
             self._last_assignment_s = time.monotonic()
             if assignment_reply[0] != self._raw_assignment:
                 table.set_assignment(await self._assignment(assignment_reply[0]))
