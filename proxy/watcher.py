@@ -40,7 +40,9 @@ Nothing the watcher does on the event loop grows with the table: a node's report
 one node at a time (redis-py parses the replies in C, with hiredis), the table is kept by a
 `TableBuilder` that recomputes only the partitions an update touches (in steps of a few hundred
 partitions), and the watcher yields to the loop once a stretch of that work has lasted
-`STRETCH_S` (a millisecond); the new snapshot is swapped in with one assignment. `max_hold_ms`
+`STRETCH_S` (half a millisecond; up to `MAX_STRETCH_S` while requests keep the loop busy, so
+the table keeps its share of a saturated loop: `stretch_limit`); the new snapshot is swapped
+in with one assignment. `max_hold_ms`
 is the longest the watcher kept the loop in one go. In the proxy (`freeze_heap`), the heap is
 frozen after every swap (`gc.freeze`): the collector's full passes then walk only what was made
 since, not the code, the table and the cached choices (a full pass over those takes ~40 ms at
@@ -139,6 +141,15 @@ STRETCH_S = 0.0005
 # after it was written.
 PAUSE_PER_STRETCH = 2.0
 STEP_PAUSE_BUDGET_S = 0.05
+# On a loop driven flat out, each yield waits for a whole round of request callbacks, several
+# milliseconds, and stretches of STRETCH_S left the table a few percent of the loop: at 1,000
+# nodes on a slower host its reports aged past their stale time while Redis held fresh ones,
+# and requests were refused for unknown lag. So a stretch may last TABLE_SHARE times the time
+# requests ran during the last yield (the loop thread's CPU time), between STRETCH_S and
+# MAX_STRETCH_S: the table keeps about a third of a saturated loop, and a loop with time to
+# spare still sees stretches of STRETCH_S.
+TABLE_SHARE = 0.5
+MAX_STRETCH_S = 0.002
 # With freeze_heap, how often the collector walks the whole heap (a pause of tens of ms at
 # thousands of partitions) to free cyclic garbage frozen meanwhile.
 FULL_COLLECT_S = 600.0
@@ -278,6 +289,7 @@ class TableWatcher:
         self._raw_assignment: bytes | None = None
         self._held_since_s = 0.0
         self._stretch_started_s = 0.0
+        self._stretch_limit_s = STRETCH_S  # (see stretch_limit)
         self._pause_left_s = 0.0  # of this step's pause budget (STEP_PAUSE_BUDGET_S)
         self._renew: Renew | None = None
         self._renew_due: RenewDue | None = None
@@ -845,11 +857,12 @@ class TableWatcher:
         self._stretch_started_s = time.perf_counter()
 
     async def _pace(self) -> None:
-        """Yield once the current stretch has lasted STRETCH_S. Not after every small step:
-        under load each yield waits for a round of request callbacks (milliseconds), and a
-        watcher that yielded after every node could not read 400 nodes a second; reports
-        would then go stale in its table while Redis has fresh ones."""
-        if time.perf_counter() - self._stretch_started_s >= STRETCH_S:
+        """Yield once the current stretch has lasted its limit (STRETCH_S on a loop with
+        time to spare). Not after every small step: under load each yield waits for a round
+        of request callbacks (milliseconds), and a watcher that yielded after every node could
+        not read 400 nodes a second; reports would then go stale in its table while Redis has
+        fresh ones."""
+        if time.perf_counter() - self._stretch_started_s >= self._stretch_limit_s:
             await self._yield()
 
     async def _yield(self) -> None:
@@ -857,11 +870,14 @@ class TableWatcher:
         held = time.thread_time() - self._held_since_s
         self.stats.hold_s += held
         self.stats.max_hold_ms = max(self.stats.max_hold_ms, held * 1000)
-        paused_at = time.perf_counter()
+        paused_at, cpu_at = time.perf_counter(), time.thread_time()
         await asyncio.sleep(self._pause_after(paused_at - self._stretch_started_s))
         # The budget pays for the time the pause took, not the time asked: on a busy loop a
         # timer fires late, and the step's delay is what the budget bounds.
         self._pause_left_s -= time.perf_counter() - paused_at
+        # What requests took meanwhile is the loop thread's CPU time, not the wall time: a
+        # core lent to another process, or an idle pause, says nothing of the loop's load.
+        self._stretch_limit_s = stretch_limit(time.thread_time() - cpu_at)
         self._hold()
 
     def _pause_after(self, stretch_s: float) -> float:
@@ -1038,6 +1054,13 @@ def _ahead_ms(body: NodeReport) -> int:
             if entry is not None and entry[1] is not None and -entry[1] > ahead:
                 ahead = -entry[1]
     return ahead
+
+
+def stretch_limit(requests_s: float) -> float:
+    """How long the watcher's next stretch on the loop may last, given how long requests
+    ran on the loop during its last yield: the longer they kept it, the longer the table's
+    turn, so a saturated loop still leaves the table its share."""
+    return min(MAX_STRETCH_S, max(STRETCH_S, requests_s * TABLE_SHARE))
 
 
 def judging_moment(at: int, clock: SharedClock) -> int:

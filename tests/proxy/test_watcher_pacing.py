@@ -15,7 +15,15 @@ import redis.asyncio as aioredis
 
 from common.clock import SharedClock
 from common.contract import Keys
-from proxy.watcher import PAUSE_PER_STRETCH, STEP_PAUSE_BUDGET_S, TableWatcher
+from proxy import watcher as watcher_module
+from proxy.watcher import (
+    MAX_STRETCH_S,
+    PAUSE_PER_STRETCH,
+    STEP_PAUSE_BUDGET_S,
+    TABLE_SHARE,
+    TableWatcher,
+    stretch_limit,
+)
 
 STRETCH_S = 0.002
 
@@ -103,3 +111,79 @@ def test_the_budget_pays_for_the_time_a_pause_took():
     asyncio.run(yield_on_a_busy_loop())
     spent = STEP_PAUSE_BUDGET_S - table._pause_left_s
     assert spent >= 0.015, f"charged {spent * 1000:.1f} ms for a pause that took about 20 ms"
+
+
+def test_a_stretch_lasts_longer_the_later_requests_gave_the_loop_back():
+    """On a saturated loop each yield waits for a round of requests: the table's next stretch
+    is its share of that wait, so it keeps up with the nodes' reports; between the floor (a
+    loop with time to spare) and a cap (a request never waits behind more than that)."""
+    floor = watcher_module.STRETCH_S
+    assert stretch_limit(0.0) == floor
+    assert stretch_limit(-0.001) == floor  # a timer that fired early
+    assert stretch_limit(floor / TABLE_SHARE / 2) == floor
+    assert stretch_limit(0.003) == pytest.approx(0.003 * TABLE_SHARE)
+    assert floor < 0.003 * TABLE_SHARE < MAX_STRETCH_S
+    assert stretch_limit(0.5) == MAX_STRETCH_S
+
+
+def test_a_yield_that_came_back_late_lengthens_the_next_stretch_and_one_on_time_restores_it():
+    table = watcher()
+    table._pause_left_s = 0.0  # bare yields, as on a saturated loop past its budget
+
+    async def two_yields() -> tuple[float, float]:
+        async def hog() -> None:
+            busy_until = time.perf_counter() + 0.003
+            while time.perf_counter() < busy_until:
+                pass  # a round of requests holding the loop 3 ms
+
+        other = asyncio.create_task(hog())
+        table._hold()
+        await table._yield()  # back after the hog's 3 ms
+        after_busy = table._stretch_limit_s
+        await other
+        await table._yield()  # nothing else to run: back at once
+        return after_busy, table._stretch_limit_s
+
+    after_busy, after_idle = asyncio.run(two_yields())
+    assert after_busy >= 0.0025 * TABLE_SHARE, after_busy
+    assert after_idle == watcher_module.STRETCH_S
+
+
+def test_a_yield_the_loop_thread_spent_off_the_core_leaves_the_stretch_short():
+    """A yield that came back late because the thread did not run (another process had the
+    core; here, a callback blocked without CPU) is not requests' time."""
+    table = watcher()
+    table._pause_left_s = 0.0
+
+    async def one_yield() -> float:
+        async def blocked() -> None:
+            time.sleep(0.005)  # noqa: ASYNC251 (the point: the thread runs nothing meanwhile)
+
+        other = asyncio.create_task(blocked())
+        table._hold()
+        await table._yield()
+        await other
+        return table._stretch_limit_s
+
+    assert asyncio.run(one_yield()) == watcher_module.STRETCH_S
+
+
+def test_a_pause_the_watcher_asked_for_does_not_lengthen_its_stretches():
+    """Its own pause is not requests' time: stretches would otherwise grow on an idle loop
+    (each pause twice the stretch before it)."""
+    table = watcher()
+    table._pause_left_s = STEP_PAUSE_BUDGET_S
+
+    async def stretches() -> list[float]:
+        limits = []
+        for _ in range(5):
+            table._hold()
+            busy_until = time.perf_counter() + table._stretch_limit_s
+            while time.perf_counter() < busy_until:
+                pass
+            await table._yield()
+            limits.append(table._stretch_limit_s)
+        return limits
+
+    limits = asyncio.run(stretches())
+    assert limits[-1] < MAX_STRETCH_S, limits
