@@ -233,6 +233,15 @@ def moved_in_place(table: TableBuilder, before: dict[str, tuple[object, int]]) -
     }
 
 
+def kept_clocks(table: TableBuilder, before: dict[str, tuple[object, int]]) -> set[str]:
+    """The nodes whose clock is the same object as `before` (moved since or not)."""
+    return {
+        node_id
+        for node_id, clock in table._clocks.items()
+        if node_id in before and before[node_id][0] is clock
+    }
+
+
 def _named(parts: dict[str, frozenset[int]] | None) -> set[tuple[str, int]]:
     assert parts is not None
     return {(store, p) for store, ps in parts.items() for p in ps}
