@@ -717,8 +717,9 @@ class TableBuilder:
         if replaced:  # on the current clock even without times to move (later shifts move it)
             new = rows[partition] = tuple(row)
             self._row_rebuilt(old, new)
-            if differs:
-                self._classify(store, partition, old, new, now_ms, differs=True)
+            # Equal times still name the partition (renewed): its kept choices read the
+            # replaced clock, which nothing moves any more.
+            self._classify(store, partition, old, new, now_ms, differs=differs)
 
     def _classify(
         self, store: str, partition: int, old: Row, new: Row, now_ms: int, *, differs: bool = False

@@ -67,7 +67,8 @@ def test_after_a_stretch_requests_get_the_loop_for_many_turns():
     seen = asyncio.run(turns_during_one_yield(table))
     assert seen >= 10, f"only {seen} turns for requests after a {STRETCH_S * 1000} ms stretch"
     left = STEP_PAUSE_BUDGET_S - table._pause_left_s
-    assert left == pytest.approx(STRETCH_S * PAUSE_PER_STRETCH, rel=0.5), "the pause is spent"
+    # At least most of the pause asked for (a loaded machine fires the timer late: more).
+    assert left >= STRETCH_S * PAUSE_PER_STRETCH * 0.5, "the pause is spent"
 
 
 def test_past_the_step_budget_a_stretch_ends_with_a_bare_yield():
@@ -132,9 +133,11 @@ def test_a_yield_that_came_back_late_lengthens_the_next_stretch_and_one_on_time_
 
     async def two_yields() -> tuple[float, float]:
         async def hog() -> None:
-            busy_until = time.perf_counter() + 0.003
-            while time.perf_counter() < busy_until:
-                pass  # a round of requests holding the loop 3 ms
+            # A round of requests using 3 ms of CPU on the loop (CPU time, not wall time: on
+            # a loaded machine a wall-clock wait may get a fraction of it).
+            busy_until = time.thread_time() + 0.003
+            while time.thread_time() < busy_until:
+                pass
 
         other = asyncio.create_task(hog())
         table._hold()
