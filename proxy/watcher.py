@@ -42,11 +42,11 @@ one node at a time (redis-py parses the replies in C, with hiredis), the table i
 partitions), and the watcher yields to the loop once a stretch of that work has lasted
 `STRETCH_S` (half a millisecond; up to `MAX_STRETCH_S` while requests keep the loop busy, so
 the table keeps its share of a saturated loop: `stretch_limit`); the new snapshot is swapped
-in with one assignment. `max_hold_ms`
-is the longest the watcher kept the loop in one go. In the proxy (`freeze_heap`), the heap is
-frozen after every swap (`gc.freeze`): the collector's full passes then walk only what was made
-since, not the code, the table and the cached choices (a full pass over those takes ~40 ms at
-6,000 partitions), and the whole heap is collected once every `FULL_COLLECT_S`.
+in with one assignment. `max_hold_ms` is the longest the watcher kept the loop in one go. In
+the proxy (`freeze_heap`), the heap is frozen after every swap (`gc.freeze`): the collector's
+full passes then walk only what was made since, not the code, the table and the cached choices
+(a full pass over those takes ~40 ms at 6,000 partitions), and the whole heap is collected once
+every `FULL_COLLECT_S`.
 
 When Redis cannot be read the last snapshot stays in use, the watcher reports itself degraded,
 and it keeps retrying on its own; the first good read clears the flag. Values that do not

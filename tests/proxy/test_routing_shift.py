@@ -222,17 +222,6 @@ def clocks_of(table: TableBuilder) -> dict[str, tuple[object, int]]:
     return {node_id: (clock, clock.shift_ms) for node_id, clock in table._clocks.items()}
 
 
-def moved_in_place(table: TableBuilder, before: dict[str, tuple[object, int]]) -> set[str]:
-    """The nodes whose clock (the same object as `before`) has moved since."""
-    return {
-        node_id
-        for node_id, clock in table._clocks.items()
-        if node_id in before
-        and before[node_id][0] is clock
-        and before[node_id][1] != clock.shift_ms
-    }
-
-
 def kept_clocks(table: TableBuilder, before: dict[str, tuple[object, int]]) -> set[str]:
     """The nodes whose clock is the same object as `before` (moved since or not)."""
     return {

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import pytest
 import redis.asyncio as aioredis
 
 from common.clock import SharedClock
 from common.contract import Keys
-from proxy import watcher as watcher_module
 from proxy.watcher import (
     MAX_STRETCH_S,
     PAUSE_PER_STRETCH,
@@ -24,8 +24,17 @@ from proxy.watcher import (
     TableWatcher,
     stretch_limit,
 )
+from proxy.watcher import STRETCH_S as SHORTEST_STRETCH_S
 
-STRETCH_S = 0.002
+STRETCH_S = 0.002  # the table work these tests do in one stretch
+
+
+def spin(seconds: float, clock: Callable[[], float] = time.perf_counter) -> None:
+    """Hold the loop for `seconds` of `clock` (time.thread_time: of CPU time, which a loaded
+    machine may stretch over more wall time)."""
+    until = clock() + seconds
+    while clock() < until:
+        pass
 
 
 def watcher() -> TableWatcher:
@@ -50,9 +59,7 @@ async def turns_during_one_yield(table: TableWatcher) -> int:
     other = asyncio.create_task(request())
     await asyncio.sleep(0)  # the other task is running
     table._hold()
-    busy_until = time.perf_counter() + STRETCH_S
-    while time.perf_counter() < busy_until:
-        pass  # a stretch of table work
+    spin(STRETCH_S)  # a stretch of table work
     turns = 0
     await table._yield()
     seen = turns
@@ -97,15 +104,11 @@ def test_the_budget_pays_for_the_time_a_pause_took():
     async def yield_on_a_busy_loop() -> None:
         async def hog() -> None:
             await asyncio.sleep(0)
-            busy_until = time.perf_counter() + 0.02
-            while time.perf_counter() < busy_until:
-                pass  # a request that holds the loop 20 ms
+            spin(0.02)  # a request that holds the loop 20 ms
 
         other = asyncio.create_task(hog())
         table._hold()
-        busy_until = time.perf_counter() + STRETCH_S
-        while time.perf_counter() < busy_until:
-            pass
+        spin(STRETCH_S)
         await table._yield()  # asks for about 4 ms, gets the loop back after the hog's 20
         await other
 
@@ -118,7 +121,7 @@ def test_a_stretch_lasts_longer_the_later_requests_gave_the_loop_back():
     """On a saturated loop each yield waits for a round of requests: the table's next stretch
     is its share of that wait, so it keeps up with the nodes' reports; between the floor (a
     loop with time to spare) and a cap (a request never waits behind more than that)."""
-    floor = watcher_module.STRETCH_S
+    floor = SHORTEST_STRETCH_S
     assert stretch_limit(0.0) == floor
     assert stretch_limit(-0.001) == floor  # a timer that fired early
     assert stretch_limit(floor / TABLE_SHARE / 2) == floor
@@ -133,11 +136,7 @@ def test_a_yield_that_came_back_late_lengthens_the_next_stretch_and_one_on_time_
 
     async def two_yields() -> tuple[float, float]:
         async def hog() -> None:
-            # A round of requests using 3 ms of CPU on the loop (CPU time, not wall time: on
-            # a loaded machine a wall-clock wait may get a fraction of it).
-            busy_until = time.thread_time() + 0.003
-            while time.thread_time() < busy_until:
-                pass
+            spin(0.003, time.thread_time)  # a round of requests using 3 ms of CPU
 
         other = asyncio.create_task(hog())
         table._hold()
@@ -149,7 +148,7 @@ def test_a_yield_that_came_back_late_lengthens_the_next_stretch_and_one_on_time_
 
     after_busy, after_idle = asyncio.run(two_yields())
     assert after_busy >= 0.0025 * TABLE_SHARE, after_busy
-    assert after_idle == watcher_module.STRETCH_S
+    assert after_idle == SHORTEST_STRETCH_S
 
 
 def test_a_yield_the_loop_thread_spent_off_the_core_leaves_the_stretch_short():
@@ -168,7 +167,7 @@ def test_a_yield_the_loop_thread_spent_off_the_core_leaves_the_stretch_short():
         await other
         return table._stretch_limit_s
 
-    assert asyncio.run(one_yield()) == watcher_module.STRETCH_S
+    assert asyncio.run(one_yield()) == SHORTEST_STRETCH_S
 
 
 def test_a_pause_the_watcher_asked_for_does_not_lengthen_its_stretches():
@@ -181,9 +180,7 @@ def test_a_pause_the_watcher_asked_for_does_not_lengthen_its_stretches():
         limits = []
         for _ in range(5):
             table._hold()
-            busy_until = time.perf_counter() + table._stretch_limit_s
-            while time.perf_counter() < busy_until:
-                pass
+            spin(table._stretch_limit_s)
             await table._yield()
             limits.append(table._stretch_limit_s)
         return limits

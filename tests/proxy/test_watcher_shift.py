@@ -30,7 +30,6 @@ from tests.proxy.test_routing_shift import (
     clocks_of,
     in_place_partitions,
     kept_clocks,
-    moved_in_place,
 )
 
 NODE_IDS = ("a", "b")
@@ -181,7 +180,7 @@ def test_a_confirmation_applied_as_a_shift_gives_the_table_a_whole_body_gives(ba
         fast_table = fast.watcher._table
         # A confirmation that keeps a node's clock (moved in place, or by 0) names nothing,
         # where the whole apply replaces the clock and names the node's equal rows renewed.
-        kept = moved_in_place(fast_table, clocks) | (kept_clocks(fast_table, clocks) & confirmed)
+        kept = kept_clocks(fast_table, clocks) & confirmed
         in_place = in_place_partitions(fast_table, kept)
         built, expected = fast.snapshot(now), slow.snapshot(now)
         assert built.stores["s"].replicas == expected.stores["s"].replicas
