@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from aiokafka.errors import KafkaError
 
 from common.contract import (
     Assignment,
@@ -62,8 +63,17 @@ class Cluster(NodeCluster):
         assert producer.flush(30) == 0
         return per_partition
 
-    def ends(self) -> dict[int, int]:
-        return asyncio.run(end_offsets(self.bootstrap, self.topic, range(PARTITIONS)))
+    def ends(self, attempts: int = 3) -> dict[int, int]:
+        """The topic's end offsets. A read the broker does not answer in time is tried again:
+        on a loaded machine Tansu (S3-backed in the fault suite) can miss a 5 s timeout once,
+        and the callers poll, so one slow answer is not a failure."""
+        for attempt in range(attempts):
+            try:
+                return asyncio.run(end_offsets(self.bootstrap, self.topic, range(PARTITIONS)))
+            except KafkaError:
+                if attempt == attempts - 1:
+                    raise
+        raise AssertionError("unreachable")
 
     def settled(self, alive: set[str]) -> bool:
         """Every live node reports the current generation and has caught up on it."""
