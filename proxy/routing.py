@@ -351,9 +351,10 @@ def _in_sync(replica: Replica) -> bool:
 
 NodeReports = Mapping[tuple[str, int], PartitionReport]  # one node's: (store, partition)
 # How many partitions one step of a rebuild (or of renewing cached choices) covers. The watcher
-# yields once a stretch of work has lasted a millisecond, and can stop only between steps: steps
-# of 256 partitions held the loop 7-15 ms at 300 nodes / 6,000 partitions under load (~30-60 µs
-# a partition there), so a step is small enough to end close to the millisecond.
+# yields once a stretch of work has lasted its limit (half a millisecond to two), and can stop
+# only between steps: steps of 256 partitions held the loop 7-15 ms at 300 nodes / 6,000
+# partitions under load (~30-60 µs a partition there), so a step is small enough to end close
+# to the limit.
 STEP_PARTITIONS = 32
 
 

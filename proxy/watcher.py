@@ -288,6 +288,8 @@ class TableWatcher:
         self._last_swap_s = 0.0
         self._raw_assignment: bytes | None = None
         self._held_since_s = 0.0
+        self._holding = False  # a stretch is open (between _hold and _end_stretch)
+        self._own_cpu_s = 0.0  # the loop thread's CPU time in this watcher's stretches
         self._stretch_started_s = 0.0
         self._stretch_limit_s = STRETCH_S  # (see stretch_limit)
         self._pause_left_s = 0.0  # of this step's pause budget (STEP_PAUSE_BUDGET_S)
@@ -348,6 +350,8 @@ class TableWatcher:
 
     async def _step(self) -> None:
         self._pause_left_s = STEP_PAUSE_BUDGET_S
+        # Measured afresh each step: the last one's load is at least MIN_GAP_S old.
+        self._stretch_limit_s = STRETCH_S
         now = time.monotonic()
         if self._full_due and now - self._last_full_s >= self.refresh_interval_s:
             await self._read_everything()
@@ -398,6 +402,8 @@ class TableWatcher:
                 )
             self.degraded = True
             self._full_due = True  # what changed meanwhile is unknown: read it all
+        finally:
+            self._end_stretch()  # the step's last stretch: not open while the watcher waits
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -476,7 +482,7 @@ class TableWatcher:
     async def _read_nodes(self, node_ids: Iterable[str]) -> None:
         """Node reads in small pipelines, a few in flight at once: the round trips overlap
         (the sweep keeps its pace when Redis or this host is slow to answer), while each reply
-        is still parsed and applied in stretches of about a millisecond."""
+        is still parsed and applied in short stretches (`_pace`)."""
         known = set(self._node_ids)
         chunks = deque(self._chunks([n for n in node_ids if n in known]))
 
@@ -508,6 +514,7 @@ class TableWatcher:
         bodies whose version it names and this watcher does not hold. The nodes without a
         usable pair, which need a node read."""
         keys = self.keys
+        self._end_stretch()
         raw_stamps = await self.redis.mget([keys.report_at(node_id) for node_id in chunk])
         self._count(1, raw_stamps)
         self._hold()
@@ -531,6 +538,7 @@ class TableWatcher:
             # the first, and a body newer than its stamp holds as of an unknown time. Read
             # alone, such a body waited for the next sweep round: a report routed by up to a
             # whole round late (1.4 s instead of 0.7).
+            self._end_stretch()
             raw_pairs = await self.redis.mget(
                 [key for n in unknown for key in (keys.report_at(n), keys.report(n))]
             )
@@ -677,6 +685,7 @@ class TableWatcher:
                 pipe.get(keys.node(node_id))
                 pipe.get(keys.hosting(node_id))
                 pipe.hgetall(keys.lag(node_id))
+            self._end_stretch()
             results = await pipe.execute()
         at = self.clock.now_ms()  # after the reports arrived: none can be newer but by skew
         self._hold()
@@ -855,6 +864,19 @@ class TableWatcher:
         """Mark the start of a stretch on the event loop (after an await returned)."""
         self._held_since_s = time.thread_time()
         self._stretch_started_s = time.perf_counter()
+        self._holding = True
+
+    def _end_stretch(self) -> None:
+        """Count the open stretch (before any await: a yield, or a Redis read). Each one is
+        counted, wherever it ends: the readers in flight take turns on the loop, and what
+        one of them holds while another yields is the watcher's time, not requests'."""
+        if not self._holding:
+            return
+        self._holding = False
+        held = time.thread_time() - self._held_since_s
+        self._own_cpu_s += held
+        self.stats.hold_s += held
+        self.stats.max_hold_ms = max(self.stats.max_hold_ms, held * 1000)
 
     async def _pace(self) -> None:
         """Yield once the current stretch has lasted its limit (STRETCH_S on a loop with
@@ -867,17 +889,19 @@ class TableWatcher:
 
     async def _yield(self) -> None:
         """End a stretch on the loop: count it, then let requests run."""
-        held = time.thread_time() - self._held_since_s
-        self.stats.hold_s += held
-        self.stats.max_hold_ms = max(self.stats.max_hold_ms, held * 1000)
-        paused_at, cpu_at = time.perf_counter(), time.thread_time()
+        self._end_stretch()
+        paused_at, cpu_at, own_at = time.perf_counter(), time.thread_time(), self._own_cpu_s
         await asyncio.sleep(self._pause_after(paused_at - self._stretch_started_s))
         # The budget pays for the time the pause took, not the time asked: on a busy loop a
         # timer fires late, and the step's delay is what the budget bounds.
         self._pause_left_s -= time.perf_counter() - paused_at
         # What requests took meanwhile is the loop thread's CPU time, not the wall time: a
         # core lent to another process, or an idle pause, says nothing of the loop's load.
-        self._stretch_limit_s = stretch_limit(time.thread_time() - cpu_at)
+        # Less the stretches of this watcher's other readers that ran meanwhile: counted as
+        # requests, readers in flight would lengthen each other's stretches to the cap on an
+        # idle loop.
+        others = (time.thread_time() - cpu_at) - (self._own_cpu_s - own_at)
+        self._stretch_limit_s = stretch_limit(others)
         self._hold()
 
     def _pause_after(self, stretch_s: float) -> float:

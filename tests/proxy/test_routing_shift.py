@@ -375,3 +375,18 @@ def test_no_clock_moves_in_place_while_a_rebuild_runs_or_its_snapshot_is_withhel
         assert not table.clocks_moved_in_place, "moved in place though the rows are not served"
         assert "a" in table._shifted
         table.snapshot(NOW + 100) if withheld else list(steps)
+
+
+def test_a_shift_and_its_reverse_on_the_rebuild_path_name_the_node_partitions_renewed():
+    """Moved back to where they were, the rows are equal to the last snapshot's but sit on
+    the node's new clock: the choices kept from that snapshot read the replaced clock, which
+    nothing moves any more, so they are named renewed (else they expire early)."""
+    pair = _steady_pair()
+    pair.fast.withhold()  # rows not served: no clock moves in place
+    clock = pair.fast._clocks["a"]
+    pair.apply(("shift", "a", 500), NOW + 500)
+    pair.apply(("shift", "a", -500), NOW + 500)
+    assert pair.fast._clocks["a"] is not clock
+    fast, slow = pair.snapshots(NOW + 500)
+    assert fast.changed == slow.changed == {}
+    assert fast.renewed == slow.renewed == {"s": frozenset(range(PARTITIONS))}

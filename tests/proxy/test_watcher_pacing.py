@@ -186,4 +186,53 @@ def test_a_pause_the_watcher_asked_for_does_not_lengthen_its_stretches():
         return limits
 
     limits = asyncio.run(stretches())
-    assert limits[-1] < MAX_STRETCH_S, limits
+    assert limits == [SHORTEST_STRETCH_S] * 5, limits  # (CPU time: none ran meanwhile)
+
+
+def test_readers_in_flight_do_not_lengthen_each_others_stretches():
+    """The watcher reads with a few pipelines in flight, each reader pacing itself: while one
+    yields, the others' stretches run. They are the watcher's time, not requests': counted as
+    requests', four readers on an idle loop pushed each other's stretches to the cap."""
+    table = watcher()
+    table._pause_left_s = 0.0  # bare yields: only the readers take turns
+
+    async def reader(limits: list[float]) -> None:
+        table._hold()
+        for _ in range(10):
+            spin(SHORTEST_STRETCH_S / 10, time.thread_time)  # one small step of table work
+            await table._pace()
+            limits.append(table._stretch_limit_s)
+        table._end_stretch()
+
+    async def readers() -> list[float]:
+        limits: list[float] = []
+        await asyncio.gather(*(reader(limits) for _ in range(4)))
+        return limits
+
+    limits = asyncio.run(readers())
+    assert max(limits) == SHORTEST_STRETCH_S, limits
+
+
+def test_pacing_yields_once_the_stretch_has_lasted_its_limit():
+    """`_pace` ends a stretch at the current limit: a lengthened limit lets a stretch run on,
+    past the shortest one, and the shortest one ends it there."""
+    table = watcher()
+    table._pause_left_s = 0.0
+
+    async def one_stretch(limit_s: float) -> tuple[int, float]:
+        """How many steps of 0.1 ms the stretch took, and how long it lasted."""
+        table._stretch_limit_s = limit_s
+        table._hold()
+        started, counted = time.perf_counter(), table.stats.hold_s
+        steps = 0
+        while table.stats.hold_s == counted:  # until _pace yielded (and counted the stretch)
+            spin(SHORTEST_STRETCH_S / 5)
+            steps += 1
+            lasted = time.perf_counter() - started
+            await table._pace()
+        return steps, lasted
+
+    steps, _ = asyncio.run(one_stretch(SHORTEST_STRETCH_S))
+    assert steps <= 6, f"{steps} steps of 0.1 ms in a stretch of 0.5"  # (a late step: fewer)
+    _, lasted = asyncio.run(one_stretch(4 * SHORTEST_STRETCH_S))
+    assert lasted >= 4 * SHORTEST_STRETCH_S, f"yielded after {lasted * 1000:.2f} ms"
