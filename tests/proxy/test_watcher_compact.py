@@ -6,6 +6,7 @@ values skipped."""
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import time
 import uuid
@@ -158,10 +159,26 @@ def watch(
             return watcher
         finally:
             running.cancel()
-            await asyncio.gather(running, return_exceptions=True)
+            await stopped(running)
             await connection.aclose()
 
     return asyncio.run(run())
+
+
+async def stopped(task: asyncio.Task[None], limit_s: float = 10.0) -> None:
+    """Until the cancelled watcher has stopped; if it does not within `limit_s`, fail with
+    every task's stack (a CI run once hung here until pytest's 300 s timeout, with nothing
+    to say which of the watcher's loops outlived its cancellation)."""
+    done, _ = await asyncio.wait({task}, timeout=limit_s)
+    if done:
+        return
+    stacks = io.StringIO()
+    for other in asyncio.all_tasks():
+        stacks.write(f"{other.get_name()} (cancelling {other.cancelling()}): ")
+        other.print_stack(file=stacks)
+    # Printed, not only raised: asyncio.run's own shutdown then waits for the same task.
+    print(f"the watcher did not stop when cancelled:\n{stacks.getvalue()}", flush=True)
+    raise AssertionError(f"the watcher did not stop when cancelled:\n{stacks.getvalue()}")
 
 
 async def until(condition: Callable[[], bool], what: str, limit_s: float = 10.0) -> None:
