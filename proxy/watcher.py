@@ -339,6 +339,7 @@ class TableWatcher:
 
     async def _poll(self) -> None:
         while True:
+            _raise_if_cancelled()
             self._wake.clear()
             await self._guarded(self._step)
             with contextlib.suppress(TimeoutError):
@@ -1017,6 +1018,7 @@ class TableWatcher:
                 await pubsub.subscribe(self.keys.events)
                 self.refresh_soon()  # whatever happened while we were not subscribed
                 while True:
+                    _raise_if_cancelled()
                     message = await pubsub.get_message(timeout=self.refresh_interval_s)
                     if message is not None and message.get("type") == "message":
                         self._note(message.get("data"))
@@ -1078,6 +1080,17 @@ def _ahead_ms(body: NodeReport) -> int:
             if entry is not None and entry[1] is not None and -entry[1] > ahead:
                 ahead = -entry[1]
     return ahead
+
+
+def _raise_if_cancelled() -> None:
+    """Honour a cancellation a library swallowed. redis-py sends every command through
+    `asyncio.wait_for` when a socket timeout is set (its default is 5 s), and on Python 3.11
+    wait_for can return a result that landed with the cancellation and drop the cancellation
+    (CPython gh-86296). The task still counts it (`cancelling()`): checked each round, a loop
+    does not outlive it (a CI run once waited on such a loop until pytest's timeout)."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
 
 
 def stretch_limit(requests_s: float) -> float:
