@@ -287,8 +287,7 @@ class TableWatcher:
         self._placed = 0  # replicas in the last snapshot swapped in
         self._last_swap_s = 0.0
         self._raw_assignment: bytes | None = None
-        self._held_since_s = 0.0
-        self._holding = False  # a stretch is open (between _hold and _end_stretch)
+        self._held_since_s: float | None = None  # thread time the open stretch began at
         self._own_cpu_s = 0.0  # the loop thread's CPU time in this watcher's stretches
         self._stretch_started_s = 0.0
         self._stretch_limit_s = STRETCH_S  # (see stretch_limit)
@@ -865,16 +864,15 @@ class TableWatcher:
         """Mark the start of a stretch on the event loop (after an await returned)."""
         self._held_since_s = time.thread_time()
         self._stretch_started_s = time.perf_counter()
-        self._holding = True
 
     def _end_stretch(self) -> None:
         """Count the open stretch (before any await: a yield, or a Redis read). Each one is
         counted, wherever it ends: the readers in flight take turns on the loop, and what
         one of them holds while another yields is the watcher's time, not requests'."""
-        if not self._holding:
+        if self._held_since_s is None:
             return
-        self._holding = False
         held = time.thread_time() - self._held_since_s
+        self._held_since_s = None
         self._own_cpu_s += held
         self.stats.hold_s += held
         self.stats.max_hold_ms = max(self.stats.max_hold_ms, held * 1000)

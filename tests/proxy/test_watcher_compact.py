@@ -6,7 +6,6 @@ values skipped."""
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 import time
 import uuid
@@ -38,6 +37,7 @@ from common.contract import (
 )
 from kroute.static_cluster import round_robin
 from proxy import watcher as watcher_module
+from proxy.main import _stopped as stopped_within_timeout
 from proxy.routing import build_snapshot
 from proxy.watcher import TableWatcher
 
@@ -159,26 +159,12 @@ def watch(
             return watcher
         finally:
             running.cancel()
-            await stopped(running)
+            # Bounded, each stuck task's stack logged: a CI run once hung here until pytest's
+            # 300 s timeout, with nothing to say which loop outlived its cancellation.
+            assert await stopped_within_timeout([running]), "the watcher outlived its cancel"
             await connection.aclose()
 
     return asyncio.run(run())
-
-
-async def stopped(task: asyncio.Task[None], limit_s: float = 10.0) -> None:
-    """Until the cancelled watcher has stopped; if it does not within `limit_s`, fail with
-    every task's stack (a CI run once hung here until pytest's 300 s timeout, with nothing
-    to say which of the watcher's loops outlived its cancellation)."""
-    done, _ = await asyncio.wait({task}, timeout=limit_s)
-    if done:
-        return
-    stacks = io.StringIO()
-    for other in asyncio.all_tasks():
-        stacks.write(f"{other.get_name()} (cancelling {other.cancelling()}): ")
-        other.print_stack(file=stacks)
-    # Printed, not only raised: asyncio.run's own shutdown then waits for the same task.
-    print(f"the watcher did not stop when cancelled:\n{stacks.getvalue()}", flush=True)
-    raise AssertionError(f"the watcher did not stop when cancelled:\n{stacks.getvalue()}")
 
 
 async def until(condition: Callable[[], bool], what: str, limit_s: float = 10.0) -> None:
