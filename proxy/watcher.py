@@ -69,7 +69,7 @@ import ipaddress
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import urlsplit
@@ -474,7 +474,7 @@ class TableWatcher:
     async def _assignment(self, raw: bytes | None) -> Any:
         """The assignment decoded in a thread: it grows with the table (a megabyte of JSON at
         20,000 partitions), and is read again only when its bytes change (a rebalance)."""
-        await self._yield()
+        self._end_stretch()  # not open while the thread decodes: requests have the loop
         decoded = await asyncio.to_thread(self._decoded, decode_assignment, raw, "assignment")
         self._hold()
         return decoded
@@ -484,13 +484,9 @@ class TableWatcher:
         (the sweep keeps its pace when Redis or this host is slow to answer), while each reply
         is still parsed and applied in short stretches (`_pace`)."""
         known = set(self._node_ids)
-        chunks = deque(self._chunks([n for n in node_ids if n in known]))
-
-        async def reader() -> None:
-            while chunks:
-                await self._read_chunk(chunks.popleft())
-
-        await asyncio.gather(*(reader() for _ in range(min(PIPELINES_IN_FLIGHT, len(chunks)))))
+        await self._in_flight(
+            self._read_chunk, deque(self._chunks([n for n in node_ids if n in known]))
+        )
 
     async def _read_reports(self, node_ids: list[str]) -> None:
         """The sweep's read of nodes whose info is known: their `report:<id>` in one MGET
@@ -502,12 +498,33 @@ class TableWatcher:
         )
         without: list[str] = []
 
-        async def reader() -> None:
-            while chunks:
-                without.extend(await self._read_report_chunk(chunks.popleft()))
+        async def read(chunk: list[str]) -> None:
+            without.extend(await self._read_report_chunk(chunk))
 
-        await asyncio.gather(*(reader() for _ in range(min(PIPELINES_IN_FLIGHT, len(chunks)))))
+        await self._in_flight(read, chunks)
         await self._read_nodes(sorted(without))
+
+    async def _in_flight(
+        self, read: Callable[[list[str]], Awaitable[None]], chunks: deque[list[str]]
+    ) -> None:
+        """Read the chunks with up to PIPELINES_IN_FLIGHT readers, each a task of its own.
+
+        A reader's last stretch ends with it, and this one's before it waits: the readers run
+        as tasks, and this task resumes only after the loop ran whatever else was ready (under
+        load, rounds of requests). A stretch left open across that wait counted the requests'
+        CPU as the table's: holds of 17 ms under wrk at 100 nodes, from stretches of at most
+        2 ms."""
+
+        async def reader() -> None:
+            try:
+                while chunks:
+                    await read(chunks.popleft())
+            finally:
+                self._end_stretch()
+
+        self._end_stretch()
+        await asyncio.gather(*(reader() for _ in range(min(PIPELINES_IN_FLIGHT, len(chunks)))))
+        self._hold()
 
     async def _read_report_chunk(self, chunk: list[str]) -> list[str]:
         """Apply the chunk's reports: `report_at:<id>` for every node, then the `report:<id>`
@@ -583,7 +600,7 @@ class TableWatcher:
         if raw is None or len(raw) <= THREAD_DECODE_BYTES:
             decoded: NodeReport | None = self._decoded(decode_node_report, raw, what)
             return decoded
-        await self._yield()
+        self._end_stretch()  # not open while the thread decodes: requests have the loop
         decoded = await asyncio.to_thread(self._decoded, decode_node_report, raw, what)
         self._hold()
         return decoded
@@ -861,7 +878,9 @@ class TableWatcher:
     # -- measuring the loop time it takes ----------------------------------------------------
 
     def _hold(self) -> None:
-        """Mark the start of a stretch on the event loop (after an await returned)."""
+        """Mark the start of a stretch on the event loop (after an await returned). One still
+        open is counted first, not dropped: the loop was the watcher's meanwhile."""
+        self._end_stretch()
         self._held_since_s = time.thread_time()
         self._stretch_started_s = time.perf_counter()
 

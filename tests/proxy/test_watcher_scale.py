@@ -24,11 +24,14 @@ from common.contract import (
     NodeInfo,
     PartitionAssignment,
     PartitionReport,
+    ReportBodies,
     StoreInfo,
     encode,
     lag_field,
+    write_node_report,
 )
 from kroute.static_cluster import round_robin
+from proxy import watcher as watcher_module
 from proxy.routing import STEP_PARTITIONS, RoutingSnapshot, TableBuilder, build_snapshot
 from proxy.watcher import TableWatcher
 
@@ -202,8 +205,11 @@ def test_a_rebuild_of_everything_yields_every_step_of_partitions():
 # -- the watcher on a real redis-server --------------------------------------------------------
 
 
-def publish(client: redis.Redis, keys: Keys, nodes: int, partitions: int, at: int) -> None:
-    """A cluster with one standby per partition, every replica caught up at `at`."""
+def publish(
+    client: redis.Redis, keys: Keys, nodes: int, partitions: int, at: int, *, compact: bool = False
+) -> None:
+    """A cluster with one standby per partition, every replica caught up at `at`; `compact`:
+    its nodes also write `report:<id>` and `report_at:<id>`, as kroute nodes do."""
     ids = [f"node-{i:04d}" for i in range(nodes)]
     placed = round_robin(partitions, ids, 1)
     assignment = Assignment(1, ids[0], at, {"s": placed})
@@ -218,7 +224,12 @@ def publish(client: redis.Redis, keys: Keys, nodes: int, partitions: int, at: in
         pipe.set(keys.alive(node_id), "1", px=60_000)
         roles = assignment.for_node(node_id).get("s", {"active": [], "standby": []})
         hosted = {"s": {r: tuple(ps) for r, ps in roles.items()}}
-        pipe.set(keys.hosting(node_id), encode(Hosting(node_id, 1, hosted, at)))
+        hosting = Hosting(node_id, 1, hosted, at)  # type: ignore[arg-type]
+        if compact:
+            reports = {("s", p): _report(0, at) for ps in roles.values() for p in ps}
+            write_node_report(pipe, keys, hosting, reports, 60_000, bodies=ReportBodies())
+            continue
+        pipe.set(keys.hosting(node_id), encode(hosting))
         fields = {lag_field("s", p): encode(_report(0, at)) for ps in roles.values() for p in ps}
         pipe.hset(keys.lag(node_id), mapping=fields)  # type: ignore[arg-type]
     pipe.set(keys.assignment, encode(assignment))
@@ -355,3 +366,74 @@ def test_a_hostile_value_never_stops_the_table_from_following_reports(redis_serv
         asyncio.run(watch())
     finally:
         client.close()
+
+
+AN_HOUR_S = 3600.0
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("compact", [False, True], ids=["legacy keys", "report bodies"])
+def test_the_table_hold_counts_the_watchers_own_stretches_and_nothing_else(
+    redis_server, monkeypatch, compact
+):
+    """`hold_s` and `max_hold_ms` are the loop time of the watcher's own stretches. Here each
+    turn another task takes on the loop costs an hour of CPU time (as the watcher's clock
+    reads it): a stretch left open across any await (a reader task that ended with one open,
+    a thread decoding) would count at least one. Counted so, requests under wrk made holds of
+    17 ms out of stretches of at most 2 ms. Every report body is decoded in a thread here."""
+    keys = Keys(f"hold-{uuid.uuid4().hex[:8]}")
+    client = redis.Redis.from_url(redis_server.url)
+    at = int(time.time() * 1000)
+    publish(client, keys, 60, 720, at, compact=compact)
+    monkeypatch.setattr(watcher_module, "THREAD_DECODE_BYTES", 0)
+    others_cpu_s = 0.0
+    real_thread_time = time.thread_time
+    monkeypatch.setattr(time, "thread_time", lambda: real_thread_time() + others_cpu_s)
+
+    async def requests() -> None:
+        nonlocal others_cpu_s
+        while True:
+            others_cpu_s += AN_HOUR_S
+            await asyncio.sleep(0)
+
+    async def watch() -> TableWatcher:
+        connection = aioredis.Redis.from_url(redis_server.url)
+        watcher = TableWatcher(
+            connection,
+            keys,
+            refresh_interval_ms=300,
+            networks=None,
+            clock=SharedClock(),
+            lag_read_interval_ms=200,
+        )
+        other = asyncio.create_task(requests())
+        running = asyncio.create_task(watcher.run())
+        try:
+            await watcher.refresh()  # a full read, the assignment decoded in a thread
+            nodes = [f"node-{i:04d}" for i in range(60)]
+            for generation in (2, 3):  # events: nodes read whole in the steps that sweep
+                await asyncio.sleep(0.5)
+                report_lag(client, keys, "node-0007", 7, lag=generation, at=int(time.time() * 1000))
+                client.publish(keys.events, encode(Event("lag", node_id="node-0007")))
+                new = Assignment(generation, nodes[0], at, {"s": round_robin(720, nodes, 1)})
+                client.set(keys.assignment, encode(new))
+                client.publish(keys.events, encode(Event("assignment", generation=generation)))
+            deadline = time.monotonic() + 30  # a generous wait: the machine may be shared
+            while watcher.snapshot.generation != 3 and time.monotonic() < deadline:  # noqa: ASYNC110 - polls what another task swaps in
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.5)  # and a few sweeps more
+            return watcher
+        finally:
+            running.cancel()
+            other.cancel()
+            await asyncio.gather(running, other, return_exceptions=True)
+            await connection.aclose()
+
+    try:
+        watcher = asyncio.run(watch())
+    finally:
+        client.close()
+    assert watcher.snapshot.generation == 3, "the steps this test is about never ran"
+    assert watcher.stats.node_reads > 60 * 3, "every node read again by the sweep"
+    assert (watcher.stats.report_reads > 60) == compact, "the sweep read what was written"
+    assert 0 < watcher.stats.hold_s < AN_HOUR_S, f"held {watcher.stats.hold_s:.0f} s"
