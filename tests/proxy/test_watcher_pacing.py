@@ -8,6 +8,7 @@ spent."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from collections.abc import Callable
 
@@ -236,3 +237,26 @@ def test_pacing_yields_once_the_stretch_has_lasted_its_limit():
     assert steps <= 6, f"{steps} steps of 0.1 ms in a stretch of 0.5"  # (a late step: fewer)
     _, lasted = asyncio.run(one_stretch(4 * SHORTEST_STRETCH_S))
     assert lasted >= 4 * SHORTEST_STRETCH_S, f"yielded after {lasted * 1000:.2f} ms"
+
+
+def test_with_a_frozen_heap_each_yield_takes_what_the_stretch_made_out_of_the_collector():
+    """In the proxy (`freeze_heap`) a yield freezes the heap: the rows and reports a stretch
+    made are not walked by the collector's young passes they would survive (5-55 ms each
+    under wrk at 1,000 nodes), only by the full pass every FULL_COLLECT_S."""
+    table = watcher()
+    table.freeze_heap = True
+    table._pause_left_s = 0.0
+
+    async def one_stretch() -> list[list[int]]:
+        table._hold()
+        made = [[n] for n in range(100)]  # containers: tracked by the collector
+        await table._yield()
+        return made
+
+    try:
+        made = asyncio.run(one_stretch())
+        walked = {id(o) for generation in range(3) for o in gc.get_objects(generation)}
+    finally:
+        gc.unfreeze()
+    assert all(gc.is_tracked(m) for m in made)
+    assert not any(id(m) in walked for m in made), "left to the collector's passes"

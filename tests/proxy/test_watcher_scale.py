@@ -156,6 +156,10 @@ def test_the_builder_always_equals_a_build_from_scratch(batches):
             for _ in table.rebuild():
                 pass
             built = table.snapshot(NOW)
+            # (kept as rows change: the watcher's check for a smaller table reads it)
+            assert table.placed == sum(
+                len(row) for route in built.stores.values() for row in route.replicas
+            )
         else:
             built = last
         expected = inputs.built()
@@ -187,6 +191,40 @@ def test_a_node_update_recomputes_only_its_partitions():
     )
     steps = list(table.rebuild())
     assert steps[-1] == len(mine) == 40, "the 40 partitions n007 is placed on, not 2,000"
+
+
+def test_the_rows_a_rebuild_replaced_are_released_in_steps():
+    """The snapshot swapped out holds the rows a rebuild replaced, and dropped at once it would
+    free them all in one go: the builder keeps them until released, STEP_PARTITIONS a step."""
+    table = TableBuilder()
+    nodes = [f"n{i:03d}" for i in range(100)]
+    placed = round_robin(2_000, nodes, 1)
+    table.set_stores({"s": StoreInfo("s", "t", 2_000)})
+    table.set_assignment(Assignment(1, nodes[0], NOW, {"s": placed}))
+
+    def ten_nodes_report(lag: int) -> None:
+        for node_id in nodes[:10]:
+            mine = {p for p, a in placed.items() if node_id in a.replicas()}
+            table.set_node(
+                node_id,
+                NodeInfo(node_id, f"http://10.0.0.7:{nodes.index(node_id) + 1}", 0),
+                Hosting(node_id, 1, {"s": {"active": tuple(sorted(mine)), "standby": ()}}, NOW),
+                {("s", p): _report(lag) for p in mine},
+            )
+        list(table.rebuild())
+
+    ten_nodes_report(lag=0)
+    # (none retired: the rows replaced were empty, before any node served)
+    assert not table.release_retired(STEP_PARTITIONS)
+    before = table.snapshot(NOW).stores["s"].replicas
+    ten_nodes_report(lag=3)
+    after = table.snapshot(NOW).stores["s"].replicas
+    replaced = [p for p in range(2_000) if after[p] is not before[p]]
+    assert len(replaced) > 2 * STEP_PARTITIONS
+    steps = 1
+    while table.release_retired(STEP_PARTITIONS):
+        steps += 1
+    assert steps == -(-len(replaced) // STEP_PARTITIONS)
 
 
 def test_a_rebuild_of_everything_yields_every_step_of_partitions():
