@@ -217,7 +217,10 @@ class ClientConnection(ClientBase, asyncio.Protocol):
             self._reject_and_close(BadRequest("protocol upgrades are not supported"))
             return
         except httptools.HttpParserError as exc:
-            rejection = self._rejection or _parse_error(exc)
+            # Raised in a parser callback, the rejection's traceback holds that frame and so
+            # this connection: a cycle only a full collection frees (the proxy freezes its heap).
+            rejection = (self._rejection or _parse_error(exc)).with_traceback(None)
+            self._rejection = None
             method_known = not isinstance(exc, httptools.HttpParserInvalidMethodError)
             self._reject_and_close(rejection, method_known=method_known)
             return

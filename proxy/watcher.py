@@ -766,6 +766,8 @@ class TableWatcher:
             self._changes_dropped = True
             table.withhold()
             await self._yield()
+            # (rows retired meanwhile were never served, or the served snapshot holds them)
+            await self._release_retired()
             return
         self._placed = placed
         self._settle(snapshot.built_at_ms)
@@ -889,8 +891,9 @@ class TableWatcher:
 
     def _hold(self) -> None:
         """Mark the start of a stretch on the event loop (after an await returned). One still
-        open is counted first, not dropped: the loop was the watcher's meanwhile."""
-        self._end_stretch()
+        open goes on: the loop was the watcher's all along (and its limit still counts)."""
+        if self._held_since_s is not None:
+            return
         self._held_since_s = time.thread_time()
         self._stretch_started_s = time.perf_counter()
 
@@ -917,11 +920,12 @@ class TableWatcher:
 
     async def _yield(self) -> None:
         """End a stretch on the loop: count it, then let requests run."""
-        self._end_stretch()
         if self.freeze_heap:
             # What the stretch made (rows, reports, choices) out of the collector's passes
-            # before they walk it: see _freeze_heap.
-            gc.freeze()
+            # before they walk it; and the full collection when due, from here (counted in
+            # the stretch): a quiet table may go without a swap while the cluster is steady.
+            self._freeze_heap()
+        self._end_stretch()
         paused_at, cpu_at, own_at = time.perf_counter(), time.thread_time(), self._own_cpu_s
         await asyncio.sleep(self._pause_after(paused_at - self._stretch_started_s))
         # The budget pays for the time the pause took, not the time asked: on a busy loop a

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import time
+import weakref
 from collections.abc import Callable
 
 import pytest
@@ -18,6 +19,7 @@ import redis.asyncio as aioredis
 from common.clock import SharedClock
 from common.contract import Keys
 from proxy.watcher import (
+    FULL_COLLECT_S,
     MAX_STRETCH_S,
     PAUSE_PER_STRETCH,
     STEP_PAUSE_BUDGET_S,
@@ -223,6 +225,7 @@ def test_pacing_yields_once_the_stretch_has_lasted_its_limit():
     async def one_stretch(limit_s: float) -> tuple[int, float]:
         """How many steps of 0.1 ms the stretch took, and how long it lasted."""
         table._stretch_limit_s = limit_s
+        table._end_stretch()  # (the last call's, left open by its yield: a new one starts)
         table._hold()
         started, counted = time.perf_counter(), table.stats.hold_s
         steps = 0
@@ -260,3 +263,36 @@ def test_with_a_frozen_heap_each_yield_takes_what_the_stretch_made_out_of_the_co
         gc.unfreeze()
     assert all(gc.is_tracked(m) for m in made)
     assert not any(id(m) in walked for m in made), "left to the collector's passes"
+
+
+class _InACycle:
+    """Garbage only the collector frees: it refers to itself."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_with_a_frozen_heap_a_yield_runs_the_full_collection_when_it_is_due():
+    """Frozen at every yield, cyclic garbage waits for the full collection every
+    FULL_COLLECT_S; a yield runs it when due, so a table that never swaps (a steady cluster)
+    still frees it."""
+    table = watcher()
+    table.freeze_heap = True
+    table._pause_left_s = 0.0
+    cycle = _InACycle()
+    gone = weakref.ref(cycle)
+    gc.freeze()  # as a yield before it became garbage did
+    del cycle
+
+    async def one_stretch() -> None:
+        table._hold()
+        await table._yield()
+
+    try:
+        asyncio.run(one_stretch())
+        assert gone() is not None, "frozen garbage stays until the full collection is due"
+        table._full_collect_s = time.monotonic() - FULL_COLLECT_S
+        asyncio.run(one_stretch())
+    finally:
+        gc.unfreeze()
+    assert gone() is None, "the full collection did not run"

@@ -221,6 +221,8 @@ def test_the_rows_a_rebuild_replaced_are_released_in_steps():
     after = table.snapshot(NOW).stores["s"].replicas
     replaced = [p for p in range(2_000) if after[p] is not before[p]]
     assert len(replaced) > 2 * STEP_PARTITIONS
+    # Kept are the rows the last snapshot served, those this one no longer holds.
+    assert sorted(map(id, table._retired)) == sorted(id(before[p]) for p in replaced)
     steps = 1
     while table.release_retired(STEP_PARTITIONS):
         steps += 1
