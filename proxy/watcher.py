@@ -759,7 +759,7 @@ class TableWatcher:
         for _ in table.rebuild(self.clock.now_ms()):
             await self._pace()
         snapshot = table.snapshot(self.clock.now_ms())
-        placed = table.placed  # (summed over the snapshot: ms a publish at 20,000 partitions)
+        placed = table.placed  # (kept by the builder: summed here, ms at 20,000 partitions)
         if self._holding_last_table(placed):
             # This snapshot's changes are dropped with it: the next one swapped in must say
             # that any partition may have changed, or a cache of choices would miss them.
@@ -775,8 +775,6 @@ class TableWatcher:
         await self._yield()
         await self._release_retired()
         await self._renew_choices(self.snapshot)
-        if self.freeze_heap:
-            self._freeze_heap()
 
     async def _release_retired(self) -> None:
         """Free the rows this snapshot replaced, in steps: the one swapped out held them, and
@@ -785,12 +783,13 @@ class TableWatcher:
             await self._pace()
 
     def _freeze_heap(self) -> None:
-        """Take what is alive now out of the collector's full passes (`gc.freeze`).
+        """Take what is alive now out of the collector's passes (`gc.freeze`), at every yield
+        (the one after a swap included), and collect the whole heap when it is due.
 
         A full pass walks every tracked object: at 6,000 partitions the table and the request
         path's cached choices make that ~40 ms on the loop, and the sweep's new replicas
         trigger one every few seconds. Frozen, a pass walks only what was made since the last
-        swap or yield: frozen only here, the sweep's reports and rows made between two swaps
+        yield: frozen only after swaps, the sweep's reports and rows made between two swaps
         (100,000 objects at 1,000 nodes) were walked by the young passes they survived, 5-55
         ms each under wrk there. Frozen objects are still freed when nothing refers to them
         (the table's rows and choices are); only cyclic garbage among them waits, which this
