@@ -252,7 +252,10 @@ def _plain(value: Any) -> dict[str, Any]:
 
 def _load(raw: bytes | str) -> dict[str, Any]:
     try:
-        body = json.loads(raw)
+        # orjson, not json: json accepts a lone surrogate ("\ud800") in a string, which no
+        # UTF-8 text can hold; a node id or store name made of one would break every
+        # exposition, log line and page that writes it.
+        body = orjson.loads(raw)
     except ValueError as exc:
         raise ContractError(f"not JSON: {raw[:80]!r}") from exc
     if not isinstance(body, dict):

@@ -31,7 +31,7 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 class AdminViews:
     """What the admin endpoints answer, each computed when requested (never cached)."""
 
-    metrics: Callable[[], Awaitable[bytes]]  # the Prometheus text exposition
+    metrics: Callable[[], Awaitable[list[bytes]]]  # the Prometheus text exposition, in parts
     status: Callable[[], Awaitable[dict[str, Any]]]
     readiness: Callable[[], Awaitable[tuple[bool, dict[str, Any]]]]
 
@@ -65,7 +65,8 @@ class AdminApp:
             )
             return
         if path == "/metrics":
-            await _send(send, 200, await self._views.metrics(), CONTENT_TYPE_LATEST.encode())
+            parts = await self._views.metrics()
+            await _send_parts(send, 200, parts, CONTENT_TYPE_LATEST.encode())
         elif path in ("/cluster/status", "/clusterStatus"):
             status = await self._views.status()
             # Thousands of partitions make megabytes of JSON: encoded off the event loop.
@@ -99,14 +100,28 @@ async def _send(
     content_type: bytes = b"application/json",
     extra: list[tuple[bytes, bytes]] | None = None,
 ) -> None:
+    await _send_parts(send, status, [body], content_type, extra)
+
+
+async def _send_parts(
+    send: Send,
+    status: int,
+    parts: list[bytes],
+    content_type: bytes = b"application/json",
+    extra: list[tuple[bytes, bytes]] | None = None,
+) -> None:
+    """One response whose body is `parts`, each written as it comes: joined, a 20 MB body
+    would be one copy of 20 MB on the event loop."""
     headers = [
         (b"content-type", content_type),
-        (b"content-length", str(len(body)).encode()),
+        (b"content-length", str(sum(map(len, parts))).encode()),
         (b"cache-control", b"no-store"),
         *(extra or []),
     ]
     await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+    for part in parts[:-1]:
+        await send({"type": "http.response.body", "body": part, "more_body": True})
+    await send({"type": "http.response.body", "body": parts[-1] if parts else b""})
 
 
 class _AdminServer(uvicorn.Server):

@@ -1,6 +1,6 @@
 """Each replica's lag as Prometheus gauges, read from the routing table when /metrics is scraped.
 
-Nothing is counted per request: the collector walks the snapshot the watcher last swapped in
+Nothing is counted per request: the scrape walks the snapshot the watcher last swapped in
 (immutable), so the series are exactly the replicas in the table at that moment. A node that
 leaves the assignment, or stops reporting that it serves a partition, is gone from the next
 scrape; no series outlives its replica. Per store that is partitions times replicas per partition
@@ -15,16 +15,13 @@ is unknown, `lag > N` is false for it, and `lag != lag` selects the unknown ones
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from prometheus_client.core import GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
-
 from proxy.choice import Replica
+from proxy.exposition import LabelValues, header, release, sample_value
 from proxy.routing import RoutingSnapshot
 
-LABELS = ["store", "partition", "node", "role"]
 NAN = math.nan
 
 
@@ -67,25 +64,29 @@ GAUGES = (
 )
 
 
-class ReplicaLagCollector(Collector):
-    """The gauges above for every replica in the current routing table."""
-
-    def __init__(self, snapshot: Callable[[], RoutingSnapshot], now_ms: Callable[[], int]) -> None:
-        self._snapshot = snapshot
-        self._now_ms = now_ms
-
-    def describe(self) -> Iterator[Metric]:
-        # Names only, for the registry's duplicate check (without walking the table).
-        for gauge in GAUGES:
-            yield GaugeMetricFamily(gauge.name, gauge.help, labels=LABELS)
-
-    def collect(self) -> Iterator[Metric]:
-        snapshot, now = self._snapshot(), self._now_ms()
-        families = [GaugeMetricFamily(g.name, g.help, labels=LABELS) for g in GAUGES]
-        for store, route in sorted(snapshot.stores.items()):
-            for partition, replicas in enumerate(route.replicas):
-                for replica in replicas:
-                    labels = [store, str(partition), replica.node_id, replica.role]
-                    for gauge, family in zip(GAUGES, families, strict=True):
-                        family.add_metric(labels, gauge.value(replica, now))
-        yield from families
+def replica_gauge_lines(snapshot: RoutingSnapshot, now_ms: int) -> list[str]:
+    """The gauges above for every replica in `snapshot`, in the text format, a line each (one
+    family after the other, stores in name order, then partitions, then replicas as the table
+    holds them). Written directly (`proxy.exposition`): 160,000 lines at 20,000 partitions."""
+    escaped = LabelValues()
+    labels: list[str] = []  # each replica's label set, shared by the four families
+    replicas: list[Replica] = []
+    for store, route in sorted(snapshot.stores.items()):
+        store_label = escaped(store)
+        for partition, row in enumerate(route.replicas):
+            for replica in row:
+                labels.append(
+                    f'{{node="{escaped(replica.node_id)}",partition="{partition}",'
+                    f'role="{escaped(replica.role)}",store="{store_label}"}} '
+                )
+                replicas.append(replica)
+    lines: list[str] = []
+    for gauge in GAUGES:
+        name, value = gauge.name, gauge.value
+        lines.append(header(name, gauge.help, "gauge"))
+        lines.extend(
+            f"{name}{label}{sample_value(value(replica, now_ms))}\n"
+            for label, replica in zip(labels, replicas, strict=True)
+        )
+    release(labels)
+    return lines

@@ -24,6 +24,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
 from proxy._hotpath import Tally
+from proxy.exposition import LabelValues, counter_lines, header, sample_value
 
 LATENCY_BUCKETS_S = (
     0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
@@ -75,6 +76,7 @@ class ProxyMetrics:
         self.choices = {key: tally for key, tally in self.choices.items() if key[2] in keep}
         self.node_requests = {n: tally for n, tally in self.node_requests.items() if n in keep}
         self.node_failures = {k: count for k, count in self.node_failures.items() if k[0] in keep}
+        self.misdirected = {n: count for n, count in self.misdirected.items() if n in keep}
 
     def node_tally(self, node: str) -> Tally:
         tally = self.node_requests.get(node)
@@ -96,9 +98,11 @@ class ProxyMetrics:
 
 
 class MetricsCollector(Collector):
-    """`gauges` are values that go up and down (connections now); `counts` are cumulative
-    counts kept outside ProxyMetrics (refresh failures, connections opened): counters, with
-    `_total` added to their names, never gauges (rate() needs to see their resets)."""
+    """The families that do not grow with the table or the cluster (those with a series per
+    node do, and are written in a thread: `node_lines`). `gauges` are values that go up and
+    down (connections now); `counts` are cumulative counts kept outside ProxyMetrics (refresh
+    failures, connections opened): counters, with `_total` added to their names, never gauges
+    (rate() needs to see their resets)."""
 
     def __init__(
         self,
@@ -141,22 +145,6 @@ class MetricsCollector(Collector):
             buckets=buckets,
             sum_value=m.latency_sum_s + hot["latency_sum_s"],
         )
-
-        per_node = CounterMetricFamily(
-            "kroute_proxy_node_requests", "Attempts sent to each node", labels=["node"]
-        )
-        for node, tally in sorted(m.node_requests.items()):
-            per_node.add_metric([node], tally.value)
-        yield per_node
-
-        failures = CounterMetricFamily(
-            "kroute_proxy_upstream_failures",
-            "Failed attempts, by node and kind",
-            labels=["node", "kind"],
-        )
-        for (node, kind), count in sorted(m.node_failures.items()):
-            failures.add_metric([node, kind], count)
-        yield failures
 
         yield CounterMetricFamily(
             "kroute_proxy_hot_path_requests",
@@ -213,13 +201,6 @@ class MetricsCollector(Collector):
             yield CounterMetricFamily(name, help_text, value=total)
         for name, help_text, label, counts in (
             ("kroute_proxy_no_replica", "503s: no replica qualified", "store", m.no_replica),
-            (
-                "kroute_proxy_misdirected",
-                "Answers with a retry status (KROUTE_RETRY_STATUSES, e.g. 421) from nodes to keyed "
-                "requests (table refreshed; the next replica, if any, is asked)",
-                "node",
-                m.misdirected,
-            ),
             ("kroute_proxy_rejected", "Requests refused before forwarding", "error", m.rejected),
         ):
             family = CounterMetricFamily(name, help_text, labels=[label])
@@ -240,39 +221,64 @@ WORKER_LABEL = "worker"
 _SampleKey = tuple[str, tuple[tuple[str, str], ...]]  # (sample name, sorted labels)
 
 
-def _choices_family() -> CounterMetricFamily:
-    return CounterMetricFamily(
-        "kroute_proxy_replica_choices",
-        "Keyed requests sent, by store, partition, node and role",
-        labels=["store", "partition", "node", "role"],
+CHOICES = "kroute_proxy_replica_choices_total"
+CHOICES_HELP = "Keyed requests sent, by store, partition, node and role"
+NODE_REQUESTS_HELP = "Attempts sent to each node"
+NODE_FAILURES_HELP = "Failed attempts, by node and kind"
+MISDIRECTED_HELP = (
+    "Answers with a retry status (KROUTE_RETRY_STATUSES, e.g. 421) from nodes to keyed "
+    "requests (table refreshed; the next replica, if any, is asked)"
+)
+
+
+def replica_choice_lines(metrics: ProxyMetrics) -> list[str]:
+    """Keyed requests sent to each replica, in the text format, a line each: a series per (store,
+    partition, node, role) the proxy ever sent to, so it grows with the table (40,000 series
+    at 20,000 partitions with a standby each). Written directly (`proxy.exposition`) and made
+    to be rendered in a thread: it copies the counters' dict with `dict.copy` (its table cloned
+    in one C call that allocates no collectable object, so no garbage collection, and no
+    finalizer that could hand the GIL to the loop, runs in the middle of it, while the loop may
+    add a key), and a counter's value is one integer the C path increments under the GIL."""
+    # Not list(choices.items()): that allocates a tuple per series, and on 3.11 a garbage
+    # collection can run inside it, with finalizers (Python code) that let the loop add a
+    # series mid-copy ("dictionary changed size during iteration"). Unsorted: a C sort of
+    # 40,000 keys would hold the GIL (the loop) for milliseconds.
+    counters = metrics.choices.copy()
+    escaped = LabelValues()
+    lines = [header(CHOICES, CHOICES_HELP, "counter")]
+    lines.extend(
+        f'{CHOICES}{{node="{escaped(node)}",partition="{partition}",role="{escaped(role)}",'
+        f'store="{escaped(store)}"}} {sample_value(tally.value)}\n'
+        for (store, partition, node, role), tally in counters.items()
     )
+    return lines
 
 
-class ReplicaChoicesCollector(Collector):
-    """Keyed requests sent to each replica: a series per (store, partition, node, role) the
-    proxy ever sent to, so it grows with the table (12,000 series at 6,000 partitions with a
-    standby each, 40-150 ms to render). Made to be rendered in a thread: it copies the
-    counters' dict with `dict.copy` (its table cloned in one C call that allocates no
-    collectable object, so no garbage collection, and no finalizer that could hand the GIL to
-    the loop, runs in the middle of it, while the loop may add a key), and a counter's value
-    is one integer the C path increments under the GIL."""
-
-    def __init__(self, metrics: ProxyMetrics) -> None:
-        self._metrics = metrics
-
-    def describe(self) -> Iterator[Metric]:
-        yield _choices_family()  # the name only, for the registry's duplicate check
-
-    def collect(self) -> Iterator[Metric]:
-        choices = _choices_family()
-        # Not list(choices.items()): that allocates a tuple per series, and on 3.11 a garbage
-        # collection can run inside it, with finalizers (Python code) that let the loop add a
-        # series mid-copy ("dictionary changed size during iteration"). Unsorted: a C sort of
-        # 12,000 keys would hold the GIL (the loop) for milliseconds.
-        counters = self._metrics.choices.copy()
-        for (store, partition, node, role), tally in counters.items():
-            choices.add_metric([store, str(partition), node, role], tally.value)
-        yield choices
+def node_lines(metrics: ProxyMetrics) -> list[str]:
+    """The families with a series per node, in the text format: attempts sent to each node,
+    failed attempts by node and kind, answers with a retry status by node (1,000 lines and
+    more at 1,000 nodes: 11-17 ms through prometheus_client on the event loop for the attempts
+    alone). Copied as `replica_choice_lines` copies its counters, to be rendered in a thread."""
+    requests = metrics.node_requests.copy()
+    failures = metrics.node_failures.copy()
+    misdirected = metrics.misdirected.copy()
+    return [
+        *counter_lines(
+            "kroute_proxy_node_requests",
+            NODE_REQUESTS_HELP,
+            ("node",),
+            {(node,): tally.value for node, tally in requests.items()},
+        ),
+        *counter_lines(
+            "kroute_proxy_upstream_failures", NODE_FAILURES_HELP, ("node", "kind"), failures
+        ),
+        *counter_lines(
+            "kroute_proxy_misdirected",
+            MISDIRECTED_HELP,
+            ("node",),
+            {(node,): count for node, count in misdirected.items()},
+        ),
+    ]
 
 
 @dataclass(frozen=True)
@@ -302,25 +308,32 @@ class WorkerMetrics:
         self._last: dict[int, tuple[int, list[Metric]]] = {}  # pid -> (worker, families)
         self._retired: dict[str, dict[_SampleKey, float]] = {}  # family -> sample -> total
 
-    def scraped(self, pid: int, worker: int, text: str) -> None:
-        """A worker's /metrics answer (raises ValueError if it is not a valid exposition)."""
-        families = list(text_string_to_metric_families(text))
+    # `scraped` and `exited` run on the event loop while `merged` may run in a thread: they
+    # replace the dicts `merged` reads (never change one in place), so it reads them whole.
+
+    def scraped(self, pid: int, worker: int, families: list[Metric]) -> None:
+        """A worker's /metrics answer, parsed (`parsed_exposition`)."""
+        known = dict(self._families)
         for family in families:
-            self._families.setdefault(
-                family.name, _Family(family.name, family.documentation, family.type)
-            )
-        self._last[pid] = (worker, families)
+            known.setdefault(family.name, _Family(family.name, family.documentation, family.type))
+        self._families = known
+        self._last = {**self._last, pid: (worker, families)}
 
     def exited(self, pid: int) -> None:
         """The worker with this pid is gone: keep its counts in the sums."""
-        _, families = self._last.pop(pid, (0, []))
+        last = dict(self._last)
+        _, families = last.pop(pid, (0, []))
+        retired = dict(self._retired)
         for family in families:
             if family.type in SUMMED_TYPES:
-                _add_samples(self._retired.setdefault(family.name, {}), family.samples)
+                totals = retired[family.name] = dict(retired.get(family.name, {}))
+                _add_samples(totals, family.samples)
+        self._last, self._retired = last, retired
 
     def merged(self, live_pids: Iterable[int]) -> list[Metric]:
-        live = [self._last[pid] for pid in live_pids if pid in self._last]
-        summed = {name: dict(samples) for name, samples in self._retired.items()}
+        last, retired, known = self._last, self._retired, self._families
+        live = [last[pid] for pid in live_pids if pid in last]
+        summed = {name: dict(samples) for name, samples in retired.items()}
         gauges: dict[str, list[Sample]] = {}
         freshest = _freshest(live)
         for worker, families in live:
@@ -336,7 +349,7 @@ class WorkerMetrics:
                         for s in family.samples
                     )
         merged = []
-        for name, meta in self._families.items():
+        for name, meta in known.items():
             metric = Metric(name, meta.documentation, meta.type)
             if meta.type in SUMMED_TYPES:
                 metric.samples = [
@@ -347,6 +360,15 @@ class WorkerMetrics:
                 metric.samples = gauges.get(name, [])
             merged.append(metric)
         return merged
+
+
+def parsed_exposition(text: str) -> list[Metric] | None:
+    """A worker's /metrics answer as families (None: not a valid exposition). Megabytes at
+    thousands of partitions, seconds to parse: run in a thread."""
+    try:
+        return list(text_string_to_metric_families(text))
+    except ValueError:
+        return None
 
 
 def _add_samples(totals: dict[_SampleKey, float], samples: Iterable[Sample]) -> None:

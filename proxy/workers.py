@@ -46,7 +46,7 @@ from prometheus_client.registry import Collector
 
 from proxy.admin import AdminApp, AdminViews, admin_server
 from proxy.lag_metrics import GAUGES as REPLICA_GAUGES
-from proxy.metrics import WorkerMetrics
+from proxy.metrics import WorkerMetrics, parsed_exposition
 from proxy.settings import ProxySettings
 from proxy.status import status_page
 
@@ -220,6 +220,7 @@ class Supervisor:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Exposition(self._collect))
         self._last_merged: list[Metric] = []
+        self._scraping = asyncio.Lock()
 
     async def run(self) -> int:
         settings = self.settings
@@ -377,18 +378,29 @@ class Supervisor:
 
     # -- the admin views, merged -----------------------------------------------------------------
 
-    async def _metrics(self) -> bytes:
-        asked = [slot.pid for slot in self.slots]
-        answers = await asyncio.gather(*(slot.ask("/metrics") for slot in self.slots))
-        for slot, pid, answer in zip(self.slots, asked, answers, strict=True):
-            # Only while the process that answered still fills the slot: once it has exited
-            # its counts are in the sums already (WorkerMetrics.exited).
-            if pid is None or pid != slot.pid:
-                continue
-            if answer is not None and answer.status_code == 200:
-                with contextlib.suppress(ValueError):  # not an exposition: keep the last one
-                    self.metrics.scraped(pid, slot.role.index, answer.text)
-        live = [slot.pid for slot in self.slots if slot.pid is not None]
+    async def _metrics(self) -> list[bytes]:
+        """Every worker's /metrics, merged. Parsing, merging and writing them take seconds at
+        thousands of partitions (the per-replica series): done in threads, so this loop keeps
+        answering health checks and watching the workers meanwhile. One scrape at a time: each
+        merge reads what the one before it scraped."""
+        async with self._scraping:
+            asked = [slot.pid for slot in self.slots]
+            answers = await asyncio.gather(*(slot.ask("/metrics") for slot in self.slots))
+            texts = [
+                answer.text if answer is not None and answer.status_code == 200 else None
+                for answer in answers
+            ]
+            parsed = await asyncio.to_thread(_parsed_each, texts)
+            for slot, pid, families in zip(self.slots, asked, parsed, strict=True):
+                # Only while the process that answered still fills the slot: once it has
+                # exited its counts are in the sums already (WorkerMetrics.exited). Not an
+                # exposition: its last one is kept.
+                if pid is not None and pid == slot.pid and families is not None:
+                    self.metrics.scraped(pid, slot.role.index, families)
+            live = [slot.pid for slot in self.slots if slot.pid is not None]
+            return [await asyncio.to_thread(self._merged_exposition, live)]
+
+    def _merged_exposition(self, live: list[int]) -> bytes:
         self._last_merged = self.metrics.merged(live)
         return generate_latest(self.registry)
 
@@ -518,3 +530,7 @@ def merged_status(
     }
     merged["workers"] = workers
     return merged
+
+
+def _parsed_each(texts: list[str | None]) -> list[list[Metric] | None]:
+    return [None if text is None else parsed_exposition(text) for text in texts]

@@ -202,6 +202,7 @@ SECTION_NOT_FIGURES: dict[str, dict[str, str]] = {
     },
     "control_plane": {"22": "issue 22"},
     "control_plane_ages_move": {"22": "issue 22"},
+    "metrics_render": {"22": "issue 22"},
 }
 
 

@@ -109,6 +109,8 @@ def test_every_value_says_its_schema_version():
         (b"not json", "not JSON"),
         (b"[1, 2]", "expected a JSON object"),
         (b'{"v": 1, "node_id": "n1"}', "not a NodeInfo"),
+        # No UTF-8 text holds a lone surrogate: such an id would break every exposition of it.
+        (b'{"v": 1, "node_id": "n\\ud800", "url": "u", "started_at_ms": 1}', "not JSON"),
     ],
 )
 def test_values_it_does_not_understand_are_refused_with_a_reason(raw, reason):

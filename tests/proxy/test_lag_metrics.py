@@ -9,7 +9,6 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
 
 from common.contract import (
     Assignment,
@@ -22,7 +21,7 @@ from common.contract import (
 )
 from kroute.embedded import EmbeddedServices
 from kroute.static_cluster import round_robin
-from proxy.lag_metrics import GAUGES, ReplicaLagCollector
+from proxy.lag_metrics import GAUGES, replica_gauge_lines
 from proxy.routing import EMPTY, RoutingSnapshot, build_snapshot
 from tests.prometheus_checks import assert_follows_conventions, families, sample_values
 from tests.proxy.conftest import PARTITIONS, PROXY_SETTINGS, StandIns, running_stand_ins
@@ -37,9 +36,7 @@ NOW = 5_000_000
 
 
 def scrape(table: RoutingSnapshot, now_ms: int = NOW) -> str:
-    registry = CollectorRegistry(auto_describe=True)
-    registry.register(ReplicaLagCollector(lambda: table, lambda: now_ms))
-    return generate_latest(registry).decode()
+    return "".join(replica_gauge_lines(table, now_ms))
 
 
 def labels(partition: int, node: str, role: str, store: str = "customers") -> tuple:

@@ -33,12 +33,13 @@ from typing import Any
 import httpx
 import pytest
 import redis
+from prometheus_client.metrics_core import Metric
 
 from common.contract import Keys, StoreInfo
 from kroute.embedded import EmbeddedServices, RedisHandle, free_port
 from kroute.proxies import ProxyHandle, start_proxy
 from kroute.static_cluster import StaticCluster
-from proxy.metrics import WorkerMetrics
+from proxy.metrics import WorkerMetrics, parsed_exposition
 from proxy.workers import (
     WATCHDOG_INTERVAL_S,
     WATCHDOG_MISSES,
@@ -515,6 +516,12 @@ kroute_proxy_replica_lag_offsets{{node="n0",partition="0",role="active",store="s
 """
 
 
+def parsed(text: str) -> list[Metric]:
+    families = parsed_exposition(text)
+    assert families is not None
+    return families
+
+
 def _samples(merger: WorkerMetrics, pids: list[int]) -> dict[tuple[str, tuple], float]:
     return {
         (s.name, tuple(sorted(s.labels.items()))): s.value
@@ -525,8 +532,8 @@ def _samples(merger: WorkerMetrics, pids: list[int]) -> dict[tuple[str, tuple], 
 
 def test_worker_metrics_sum_counters_label_gauges_and_take_shared_gauges_once():
     merger = WorkerMetrics(["kroute_proxy_replica_lag_offsets"])
-    merger.scraped(101, 0, _exposition(3, 10, age=0.8, lag=7))
-    merger.scraped(102, 1, _exposition(4, 5, age=0.2, lag=9))
+    merger.scraped(101, 0, parsed(_exposition(3, 10, age=0.8, lag=7)))
+    merger.scraped(102, 1, parsed(_exposition(4, 5, age=0.2, lag=9)))
     samples = _samples(merger, [101, 102])
     assert samples[("kroute_proxy_responses_total", (("kind", "keyed"), ("status", "200")))] == 15
     assert samples[("kroute_proxy_request_duration_seconds_bucket", (("le", "0.1"),))] == 15
@@ -537,7 +544,7 @@ def test_worker_metrics_sum_counters_label_gauges_and_take_shared_gauges_once():
     assert lag == [9]  # once, from worker 1: its table is the freshest
 
     merger.exited(102)  # worker 1 died after counting 5; its replacement starts from 0
-    merger.scraped(103, 1, _exposition(0, 0, age=0.1, lag=9))
+    merger.scraped(103, 1, parsed(_exposition(0, 0, age=0.1, lag=9)))
     samples = _samples(merger, [101, 103])
     assert samples[("kroute_proxy_responses_total", (("kind", "keyed"), ("status", "200")))] == 15
     assert samples[("kroute_proxy_request_duration_seconds_count", ())] == 15
