@@ -760,7 +760,7 @@ class TableWatcher:
         for _ in table.rebuild(self.clock.now_ms()):
             await self._pace()
         snapshot = table.snapshot(self.clock.now_ms())
-        placed = table.placed  # (kept by the builder: summed here, ms at 20,000 partitions)
+        placed = table.placed  # (kept by the builder: a sum over the snapshot took ms here)
         if self._holding_last_table(placed):
             # This snapshot's changes are dropped with it: the next one swapped in must say
             # that any partition may have changed, or a cache of choices would miss them.
