@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from kroute.embedded import free_port
+from tests.listening import stop_listening
 
 Mode = Literal["ok", "trickle", "huge", "hang"]
 
@@ -33,7 +34,7 @@ class FakeWorker:
 
     async def stop(self) -> None:
         if self.server is not None:
-            self.server.close()
+            await stop_listening(self.server)
             self.server = None
         for writer in list(self._open):
             writer.close()

@@ -19,6 +19,7 @@ from typing import Any
 import httptools
 
 from kroute.embedded import free_port
+from tests.listening import stop_listening
 
 
 class _EchoProtocol(asyncio.Protocol):
@@ -124,7 +125,7 @@ class EchoBackend:
 
         async def close() -> None:
             if self._server is not None:
-                self._server.close()
+                await stop_listening(self._server)
             for transport in list(self.transports):
                 if transport is not None:
                     transport.abort()  # RST, as the kernel does for a killed process
