@@ -718,9 +718,15 @@ def steady_load_in_child(url: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def steady_load(
-    url: str, rate: int, seconds: int, connections: int, cpus: str | None
+    url: str,
+    rate: int,
+    seconds: float,
+    connections: int,
+    cpus: str | None,
+    keep_latencies: bool = False,
 ) -> dict[str, Any]:
-    """Keyed GETs over every partition at `rate`/s for `seconds` (run in a child process)."""
+    """Keyed GETs over every partition at `rate`/s for `seconds` (run in a child process);
+    with `keep_latencies`, every answered request's latency too (ms, under "latencies_ms")."""
     if cpus:
         os.sched_setaffinity(0, cpu_list(cpus))
     host_port = url.removeprefix("http://").rstrip("/")
@@ -733,12 +739,13 @@ def steady_load(
     time.sleep(seconds)
     outcomes = load.stop()
     latencies = [o.latency_ms for o in outcomes if o.status == 200]
-    return {
+    figures = {
         "rate": rate,
         "requests": len(outcomes),
         **latency_figures(latencies),
         "failed": failures_by_status(outcomes),
     }
+    return {**figures, "latencies_ms": latencies} if keep_latencies else figures
 
 
 def _direct_cell(direct: dict[str, Any] | None) -> str:
@@ -905,6 +912,29 @@ def keep_the_cluster_off(request_path_cpus: str) -> None:
     os.sched_setaffinity(0, rest)
 
 
+def start_backends(
+    services: EmbeddedServices, workdir: Path, request_path_cpus: str | None
+) -> list[str]:
+    """Three nginx servers answering BODY to everything (one process, pinned to the request
+    path's CPUs when given): the URLs of the simulated nodes."""
+    ports = [free_port() for _ in range(3)]
+    servers = "\n".join(
+        f"server {{ listen 127.0.0.1:{port}; location / {{ default_type application/json; "
+        f"return 200 '{BODY}'; }} }}"
+        for port in ports
+    )
+    nginx_dir = workdir / "backends"  # its temp folders (one is named proxy) kept apart
+    nginx_dir.mkdir()
+    (nginx_dir / "nginx.conf").write_text(_nginx_conf(nginx_dir, servers))
+    nginx = services.start_process(
+        "backends", ["nginx", "-p", str(nginx_dir), "-c", str(nginx_dir / "nginx.conf")]
+    )
+    services.await_ready(nginx, lambda: port_open(ports[0], 0.2), 10)
+    if request_path_cpus:
+        pin_tree(nginx.pid, cpu_list(request_path_cpus))
+    return [f"http://127.0.0.1:{port}" for port in ports]
+
+
 def parse_sizes(text: str) -> list[tuple[int, int]]:
     sizes = []
     for item in text.split(","):
@@ -944,22 +974,7 @@ def main() -> int:
     sizes: dict[str, Any] = {}
     with EmbeddedServices(workdir) as services:
         redis_server = services.start_redis()
-        ports = [free_port() for _ in range(3)]
-        servers = "\n".join(
-            f"server {{ listen 127.0.0.1:{port}; location / {{ default_type application/json; "
-            f"return 200 '{BODY}'; }} }}"
-            for port in ports
-        )
-        nginx_dir = workdir / "backends"  # its temp folders (one is named proxy) kept apart
-        nginx_dir.mkdir()
-        (nginx_dir / "nginx.conf").write_text(_nginx_conf(nginx_dir, servers))
-        nginx = services.start_process(
-            "backends", ["nginx", "-p", str(nginx_dir), "-c", str(nginx_dir / "nginx.conf")]
-        )
-        services.await_ready(nginx, lambda: port_open(ports[0], 0.2), 10)
-        if args.request_path_cpus:
-            pin_tree(nginx.pid, cpu_list(args.request_path_cpus))
-        backends = [f"http://127.0.0.1:{port}" for port in ports]
+        backends = start_backends(services, workdir, args.request_path_cpus)
         for size in args.sizes:
             name = f"{size[0]}/{size[1]}"
             sizes[name] = measure_size(

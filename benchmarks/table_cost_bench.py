@@ -1,0 +1,310 @@
+"""What a large routing table costs the request path, told apart from the machine's noise.
+
+The control-plane sweep (control_plane_bench.py) measures a size's proxy and then, minutes
+later, a small table's proxy: on a shared two-core machine the same proxy measured twice a
+minute apart differs by more than the 10% the table is allowed, so that comparison cannot say
+whether the table costs 10%. Here, per size N nodes / P partitions, three proxies are started
+on the same Redis, the same writers (the size's simulated cluster and a SMALL_TABLE one) and
+the same CPUs:
+- `large`: a proxy of the size's cluster;
+- `small` and `small-again`: two proxies of the small cluster.
+They take turns, in rounds whose order rotates, so that each is measured under every phase of
+the machine's background: the one whose turn it is runs alone on the request path's CPUs (the
+others are paused with SIGSTOP; it is resumed `--settle-seconds` before its load starts, so
+that what it missed while paused is read before it is measured) and serves the same paced load
+(`--rate` requests/s, latency timed from when each request was due). Three proxies running at
+once would share the request path's core among three tables' work and queue every request
+behind it. `large` against `small` is what the table costs a request; `small-again` against
+`small` is the noise floor of this very comparison (an A/A pair: the same table twice); and
+`direct`, the same load straight to a backend with every proxy paused, is the host's own. Per
+proxy: the p99 of its rounds' latencies pooled, each round's p99, and from its watcher's stats
+lines over its own rounds the loop's longest stall and the table's longest hold. A first round
+each (`--warmup-seconds`, not counted) fills the proxies' cached choices.
+
+Results: benchmarks/results/table_cost.json and the `table_cost` section of RESULTS.md.
+
+Run: .venv/bin/python -m benchmarks.table_cost_bench --request-path-cpus 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks.control_plane_bench import (
+    SMALL_TABLE,
+    STATS_LINE_S,
+    Writers,
+    keep_the_cluster_off,
+    parse_sizes,
+    say,
+    start_backends,
+    start_writers,
+    steady_load,
+    watcher_lines,
+)
+from benchmarks.loadgen import latency_figures, percentile
+from benchmarks.results_file import git_revision, machine_notes, write_json, write_section
+from benchmarks.sampling import process_tree
+from kroute.embedded import EmbeddedServices
+from kroute.proxies import ProxyHandle, start_proxy
+
+DEFAULT_SIZES = "300/6000,1000/20000"
+PROXIES = ("large", "small", "small-again")
+DIRECT = "direct"  # the same load straight to a backend, every proxy paused: the host's floor
+TARGETS = (*PROXIES, DIRECT)
+
+
+@dataclass
+class Measured:
+    """One proxy's rounds: latencies pooled, and per round its p99 and watcher figures."""
+
+    latencies_ms: list[float] = field(default_factory=list)
+    round_p99_ms: list[float] = field(default_factory=list)
+    stall_max_ms: list[float] = field(default_factory=list)
+    hold_max_ms: list[float] = field(default_factory=list)
+    failed: int = 0
+
+    def figures(self) -> dict[str, Any]:
+        return {
+            "requests": len(self.latencies_ms) + self.failed,
+            "failed": self.failed,
+            **latency_figures(self.latencies_ms),
+            # Less moved by this host's own hiccups (tens of ms, every few seconds, straight
+            # to nginx too), which set the p99 of a short window.
+            "p95_ms": percentile(self.latencies_ms, 0.95),
+            "round_p99_ms": self.round_p99_ms,
+            "round_p99_median_ms": round(statistics.median(self.round_p99_ms), 1),
+            "loop_stall_max_ms": round(max(self.stall_max_ms, default=0.0), 2),
+            "table_hold_max_ms": round(max(self.hold_max_ms, default=0.0), 2),
+        }
+
+
+def start_measured_proxy(
+    services: EmbeddedServices, redis_url: str, cluster: str, name: str, cpus: str | None
+) -> ProxyHandle:
+    """A proxy of `cluster` with debug logs (its watcher's stats lines, every 2 s)."""
+    return start_proxy(
+        services, redis_url, name=f"proxy-{name}-{cluster}", cluster=cluster, max_lag="1000",
+        max_lag_ms="60000", log_level="debug", timeout_s=120, cpus=cpus,
+    )  # fmt: skip
+
+
+def paced_round(url: str, seconds: float, args: argparse.Namespace) -> dict[str, Any]:
+    """One round of the paced load to `url`, from a spawned process of its own."""
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(
+            steady_load,
+            (url, args.rate, seconds, args.connections, args.request_path_cpus),
+            {"keep_latencies": True},
+        )
+
+
+def signal_tree(proxy: ProxyHandle, signum: int) -> None:
+    for pid in process_tree(proxy.process.pid):
+        os.kill(pid, signum)
+
+
+def take_turn(proxies: dict[str, ProxyHandle], name: str, settle_s: float) -> None:
+    """`name` alone running (none for DIRECT), after `settle_s` to catch up with what it
+    missed while paused."""
+    for other, proxy in proxies.items():
+        if other != name:
+            signal_tree(proxy, signal.SIGSTOP)
+    if name in proxies:
+        signal_tree(proxies[name], signal.SIGCONT)
+    time.sleep(settle_s)
+
+
+def record_round(
+    measured: Measured, proxy: ProxyHandle | None, started: float, load: dict[str, Any]
+) -> None:
+    # The stats line written 2 s after the round began is the first to cover only the round.
+    lines = (
+        []
+        if proxy is None
+        else watcher_lines(proxy.process.log_path, started + STATS_LINE_S, time.time())
+    )
+    latencies = load["latencies_ms"]
+    measured.latencies_ms.extend(latencies)
+    measured.failed += sum(load["failed"].values())
+    measured.round_p99_ms.append(percentile(latencies, 0.99) or 0.0)
+    measured.stall_max_ms.append(max((line["max_loop_lag_ms"] for line in lines), default=0.0))
+    measured.hold_max_ms.append(max((line["max_hold_ms"] for line in lines), default=0.0))
+
+
+def rotated(round_index: int) -> list[str]:
+    """The proxies' order in a round: each goes first, second and last equally often."""
+    shift = round_index % len(TARGETS)
+    return list(TARGETS[shift:] + TARGETS[:shift])
+
+
+def measure_size(
+    services: EmbeddedServices,
+    redis_url: str,
+    backends: list[str],
+    size: tuple[int, int],
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    large_cluster = f"tc-{size[0]}-{size[1]}"
+    small_cluster = f"tc-small-{SMALL_TABLE[0]}-{SMALL_TABLE[1]}-for-{size[0]}"
+    say(f"{size[0]} nodes / {size[1]} partitions: writers, then three proxies")
+    writers: list[Writers] = []
+    proxies: dict[str, ProxyHandle] = {}
+    try:
+        writers.append(start_writers(redis_url, large_cluster, size, 1, args.writers, backends))
+        writers.append(start_writers(redis_url, small_cluster, SMALL_TABLE, 1, 1, backends))
+        time.sleep(2)
+        clusters = {"large": large_cluster, "small": small_cluster, "small-again": small_cluster}
+        for name, cluster in clusters.items():
+            proxies[name] = start_measured_proxy(
+                services, redis_url, cluster, name, args.request_path_cpus
+            )
+        urls = {**{name: proxy.url for name, proxy in proxies.items()}, DIRECT: backends[0]}
+        for name in PROXIES:  # fills each one's cached choices; not counted
+            take_turn(proxies, name, args.settle_seconds)
+            paced_round(urls[name], args.warmup_seconds, args)
+        measured = {name: Measured() for name in TARGETS}
+        for index in range(args.rounds):
+            for name in rotated(index):
+                take_turn(proxies, name, args.settle_seconds)
+                started = time.time()
+                load = paced_round(urls[name], args.round_seconds, args)
+                time.sleep(STATS_LINE_S + 0.5)  # the watcher's line for the round's end
+                record_round(measured[name], proxies.get(name), started, load)
+            say(f"round {index + 1}/{args.rounds}: " + ", ".join(
+                f"{n} p99 {m.round_p99_ms[-1]} ms" for n, m in measured.items()
+            ))  # fmt: skip
+    finally:
+        for proxy in proxies.values():
+            signal_tree(proxy, signal.SIGCONT)  # a paused process would take SIGTERM late
+            proxy.process.stop()
+            proxy.close()
+        for group in writers:
+            group.close()
+    return compared({name: m.figures() for name, m in measured.items()})
+
+
+def compared(figures: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The proxies' figures with the two ratios that matter: the table's (large / small) and
+    the noise floor's (small-again / small), for the pooled p99 and the median round's."""
+
+    def ratio(name: str, key: str) -> float:
+        return round(float(figures[name][key]) / float(figures["small"][key]), 2)
+
+    return {
+        "proxies": figures,
+        "p95_large_over_small": ratio("large", "p95_ms"),
+        "p95_small_again_over_small": ratio("small-again", "p95_ms"),
+        "p99_large_over_small": ratio("large", "p99_ms"),
+        "p99_small_again_over_small": ratio("small-again", "p99_ms"),
+        "round_p99_median_large_over_small": ratio("large", "round_p99_median_ms"),
+        "round_p99_median_small_again_over_small": ratio("small-again", "round_p99_median_ms"),
+    }
+
+
+def markdown(data: dict[str, Any]) -> str:
+    rows = [
+        f"`{data['command']}` at {data['revision']} ({data['machine']}): {data['rounds']} rounds "
+        f"of {data['round_seconds']} s per proxy at {data['rate']} requests/s, three proxies "
+        f"on the same Redis, writers and CPUs taking turns (the others paused; each resumed "
+        f"{data['settle_seconds']} s before its round). `large` "
+        f"reads the size's cluster, `small` and `small-again` a {SMALL_TABLE[0]}-node / "
+        f"{SMALL_TABLE[1]}-partition one: large/small is what the table costs a request, "
+        "small-again/small the noise floor of the same comparison.",
+        "",
+        "| size | proxy | p50 ms | p95 ms | p99 ms (pooled) | median round p99 ms | "
+        "round p99s ms | longest loop stall ms | longest table hold ms |",
+        "|---|---|---:|---:|---:|---:|---|---:|---:|",
+    ]
+    for size, result in data["sizes"].items():
+        for name, f in result["proxies"].items():
+            rounds = ", ".join(str(p) for p in f["round_p99_ms"])
+            loop = (
+                "| no proxy | no proxy |"
+                if name == DIRECT
+                else f"| {f['loop_stall_max_ms']} | {f['table_hold_max_ms']} |"
+            )
+            rows.append(
+                f"| {size} | {name} | {f['p50_ms']} | {f['p95_ms']} | {f['p99_ms']} | "
+                f"{f['round_p99_median_ms']} | {rounds} {loop}"
+            )
+    rows += ["", "| size | p95 large/small | p95 small-again/small | p99 large/small | "
+             "p99 small-again/small | median round p99 large/small | median round p99 "
+             "small-again/small |", "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for size, r in data["sizes"].items():
+        rows.append(
+            f"| {size} | {r['p95_large_over_small']} | {r['p95_small_again_over_small']} | "
+            f"{r['p99_large_over_small']} | {r['p99_small_again_over_small']} | "
+            f"{r['round_p99_median_large_over_small']} | "
+            f"{r['round_p99_median_small_again_over_small']} |"
+        )
+    return "\n".join(rows) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", type=parse_sizes, default=parse_sizes(DEFAULT_SIZES))
+    parser.add_argument("--rounds", type=int, default=6, help="rounds per proxy")
+    parser.add_argument("--round-seconds", type=float, default=8)
+    parser.add_argument("--rate", type=int, default=2_000, help="requests/s of the paced load")
+    parser.add_argument("--connections", type=int, default=16)
+    parser.add_argument(
+        "--warmup-seconds", type=float, default=5, help="a first round per proxy, not counted"
+    )
+    parser.add_argument(
+        "--settle-seconds",
+        type=float,
+        default=5,
+        help="a proxy runs this long after being resumed before its round starts",
+    )
+    parser.add_argument("--writers", type=int, default=2, help="writer processes per size")
+    parser.add_argument(
+        "--request-path-cpus",
+        help="CPUs the proxies, the backends and the load run on (a taskset -c list); Redis "
+        "and the writers run on the others (default: nothing pinned)",
+    )
+    args = parser.parse_args()
+    if args.request_path_cpus:
+        keep_the_cluster_off(args.request_path_cpus)
+    workdir = Path(tempfile.mkdtemp(prefix="kroute-table-cost-"))
+    sizes: dict[str, Any] = {}
+    with EmbeddedServices(workdir) as services:
+        redis_server = services.start_redis()
+        backends = start_backends(services, workdir, args.request_path_cpus)
+        for size in args.sizes:
+            name = f"{size[0]}/{size[1]}"
+            sizes[name] = measure_size(services, redis_server.url, backends, size, args)
+            say(f"{name}: {json.dumps({k: v for k, v in sizes[name].items() if k != 'proxies'})}")
+    data = {
+        "command": ("python -m benchmarks.table_cost_bench " + " ".join(sys.argv[1:])).strip(),
+        "revision": git_revision(),
+        "machine": machine_notes(),
+        "request_path_cpus": args.request_path_cpus,
+        "rounds": args.rounds,
+        "round_seconds": args.round_seconds,
+        "settle_seconds": args.settle_seconds,
+        "rate": args.rate,
+        "small_table": f"{SMALL_TABLE[0]}/{SMALL_TABLE[1]}",
+        "sizes": sizes,
+    }
+    shutil.rmtree(workdir, ignore_errors=True)  # kept only when a run fails, for its logs
+    write_json("table_cost", data)
+    write_section("table_cost", markdown(data))
+    print(markdown(data))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
