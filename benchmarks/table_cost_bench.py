@@ -9,14 +9,16 @@ the same CPUs:
 - `large`: a proxy of the size's cluster;
 - `small` and `small-again`: two proxies of the small cluster.
 They take turns, in rounds whose order rotates, so that each is measured under every phase of
-the machine's background: the one whose turn it is runs alone on the request path's CPUs (the
-others are paused with SIGSTOP; it is resumed `--settle-seconds` before its load starts, so
-that what it missed while paused is read before it is measured) and serves the same paced load
-(`--rate` requests/s, latency timed from when each request was due). Three proxies running at
-once would share the request path's core among three tables' work and queue every request
-behind it. `large` against `small` is what the table costs a request; `small-again` against
+the machine's background: the one whose turn it is runs alone on the request path's CPUs, the
+others on the rest (with Redis and the writers), all of them reading Redis all the time, and it
+serves the same paced load (`--rate` requests/s, latency timed from when each request was
+due). Three proxies on the request path's one core would queue every request behind three
+tables' work; and a proxy paused (SIGSTOP) between its turns comes back to a backlog of events
+proportional to the pause (p99s over 100 ms at 300 nodes, 4 s after it resumed).
+`large` against `small` is what the table costs a request; `small-again` against
 `small` is the noise floor of this very comparison (an A/A pair: the same table twice); and
-`direct`, the same load straight to a backend with every proxy paused, is the host's own. Per
+`direct`, the same load straight to a backend with every proxy off the request path, is the
+host's own. Per
 proxy: the p99 of its rounds' latencies pooled, each round's p99, and from its watcher's stats
 lines over its own rounds the loop's longest stall and the table's longest hold. A first round
 each (`--warmup-seconds`, not counted) fills the proxies' cached choices.
@@ -33,7 +35,6 @@ import json
 import multiprocessing
 import os
 import shutil
-import signal
 import statistics
 import sys
 import tempfile
@@ -46,6 +47,7 @@ from benchmarks.control_plane_bench import (
     SMALL_TABLE,
     STATS_LINE_S,
     Writers,
+    cpu_list,
     keep_the_cluster_off,
     parse_sizes,
     say,
@@ -55,14 +57,14 @@ from benchmarks.control_plane_bench import (
     watcher_lines,
 )
 from benchmarks.loadgen import latency_figures, percentile
+from benchmarks.placement import pin_tree
 from benchmarks.results_file import git_revision, machine_notes, write_json, write_section
-from benchmarks.sampling import process_tree
 from kroute.embedded import EmbeddedServices
 from kroute.proxies import ProxyHandle, start_proxy
 
 DEFAULT_SIZES = "300/6000,1000/20000"
 PROXIES = ("large", "small", "small-again")
-DIRECT = "direct"  # the same load straight to a backend, every proxy paused: the host's floor
+DIRECT = "direct"  # straight to a backend, every proxy off the request path: the host's floor
 TARGETS = (*PROXIES, DIRECT)
 
 
@@ -111,20 +113,18 @@ def paced_round(url: str, seconds: float, args: argparse.Namespace) -> dict[str,
         )
 
 
-def signal_tree(proxy: ProxyHandle, signum: int) -> None:
-    for pid in process_tree(proxy.process.pid):
-        os.kill(pid, signum)
-
-
-def take_turn(proxies: dict[str, ProxyHandle], name: str, settle_s: float) -> None:
-    """`name` alone running (none for DIRECT), after `settle_s` to catch up with what it
-    missed while paused."""
-    for other, proxy in proxies.items():
-        if other != name:
-            signal_tree(proxy, signal.SIGSTOP)
-    if name in proxies:
-        signal_tree(proxies[name], signal.SIGCONT)
-    time.sleep(settle_s)
+def take_turn(
+    proxies: dict[str, ProxyHandle], name: str, args: argparse.Namespace, elsewhere: set[int]
+) -> None:
+    """`name` alone on the request path's CPUs (none for DIRECT), the other proxies on
+    `elsewhere`, then `--settle-seconds`. Without `--request-path-cpus` nothing moves."""
+    if args.request_path_cpus:
+        for other, proxy in proxies.items():
+            if other != name:
+                pin_tree(proxy.process.pid, elsewhere)
+        if name in proxies:
+            pin_tree(proxies[name].process.pid, cpu_list(args.request_path_cpus))
+    time.sleep(args.settle_seconds)
 
 
 def record_round(
@@ -171,14 +171,15 @@ def measure_size(
             proxies[name] = start_measured_proxy(
                 services, redis_url, cluster, name, args.request_path_cpus
             )
+        elsewhere = os.sched_getaffinity(0)  # Redis's and the writers' CPUs
         urls = {**{name: proxy.url for name, proxy in proxies.items()}, DIRECT: backends[0]}
         for name in PROXIES:  # fills each one's cached choices; not counted
-            take_turn(proxies, name, args.settle_seconds)
+            take_turn(proxies, name, args, elsewhere)
             paced_round(urls[name], args.warmup_seconds, args)
         measured = {name: Measured() for name in TARGETS}
         for index in range(args.rounds):
             for name in rotated(index):
-                take_turn(proxies, name, args.settle_seconds)
+                take_turn(proxies, name, args, elsewhere)
                 started = time.time()
                 load = paced_round(urls[name], args.round_seconds, args)
                 time.sleep(STATS_LINE_S + 0.5)  # the watcher's line for the round's end
@@ -188,7 +189,6 @@ def measure_size(
             ))  # fmt: skip
     finally:
         for proxy in proxies.values():
-            signal_tree(proxy, signal.SIGCONT)  # a paused process would take SIGTERM late
             proxy.process.stop()
             proxy.close()
         for group in writers:
@@ -218,8 +218,9 @@ def markdown(data: dict[str, Any]) -> str:
     rows = [
         f"`{data['command']}` at {data['revision']} ({data['machine']}): {data['rounds']} rounds "
         f"of {data['round_seconds']} s per proxy at {data['rate']} requests/s, three proxies "
-        f"on the same Redis, writers and CPUs taking turns (the others paused; each resumed "
-        f"{data['settle_seconds']} s before its round). `large` "
+        f"on the same Redis and writers taking turns on the request path's CPU (the others "
+        f"on the other one, still reading Redis; each moved {data['settle_seconds']} s before "
+        "its round). `large` "
         f"reads the size's cluster, `small` and `small-again` a {SMALL_TABLE[0]}-node / "
         f"{SMALL_TABLE[1]}-partition one: large/small is what the table costs a request, "
         "small-again/small the noise floor of the same comparison.",
@@ -266,8 +267,8 @@ def main() -> int:
     parser.add_argument(
         "--settle-seconds",
         type=float,
-        default=5,
-        help="a proxy runs this long after being resumed before its round starts",
+        default=2,
+        help="a proxy runs this long on the request path's CPUs before its round starts",
     )
     parser.add_argument("--writers", type=int, default=2, help="writer processes per size")
     parser.add_argument(
