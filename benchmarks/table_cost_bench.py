@@ -3,25 +3,25 @@
 The control-plane sweep (control_plane_bench.py) measures a size's proxy and then, minutes
 later, a small table's proxy: on a shared two-core machine the same proxy measured twice a
 minute apart differs by more than the 10% the table is allowed, so that comparison cannot say
-whether the table costs 10%. Here, per size N nodes / P partitions, three proxies are started
-on the same Redis, the same writers (the size's simulated cluster and a SMALL_TABLE one) and
-the same CPUs:
+whether the table costs 10%. Here, per size N nodes / P partitions, with the writers of the
+size's simulated cluster and of a SMALL_TABLE one running throughout, the same paced load
+(`--rate` requests/s, latency timed from when each request was due) goes, in rounds whose
+order rotates (so that each is measured under every phase of the machine's background), to:
 - `large`: a proxy of the size's cluster;
-- `small` and `small-again`: two proxies of the small cluster.
-They take turns, in rounds whose order rotates, so that each is measured under every phase of
-the machine's background: the one whose turn it is runs alone on the request path's CPUs, the
-others on the rest (with Redis and the writers), all of them reading Redis all the time, and it
-serves the same paced load (`--rate` requests/s, latency timed from when each request was
-due). Three proxies on the request path's one core would queue every request behind three
-tables' work; and a proxy paused (SIGSTOP) between its turns comes back to a backlog of events
-proportional to the pause (p99s over 100 ms at 300 nodes, 4 s after it resumed).
-`large` against `small` is what the table costs a request; `small-again` against
-`small` is the noise floor of this very comparison (an A/A pair: the same table twice); and
-`direct`, the same load straight to a backend with every proxy off the request path, is the
-host's own. Per
-proxy: the p99 of its rounds' latencies pooled, each round's p99, and from its watcher's stats
-lines over its own rounds the loop's longest stall and the table's longest hold. A first round
-each (`--warmup-seconds`, not counted) fills the proxies' cached choices.
+- `small` and `small-again`: a proxy of the small cluster, twice;
+- `direct`: straight to a backend (no proxy): the host's own floor.
+Each proxy is started for its turn (and stopped after it), on the request path's CPUs, and
+serves a warm-up round (`--warmup-seconds`, not counted: its cached choices fill) before the
+measured one, so that one proxy at a time runs, as in the sweep. Proxies kept running between
+their turns do not work on two cores: three on the request path's core queue every request
+behind three tables' work; paused (SIGSTOP), a proxy comes back to a backlog of events as long
+as the pause; moved to the other core, beside Redis and the writers, a 1,000-node proxy falls
+behind there (its reports go stale and every cached choice is dropped) and catches up during
+its turn. `large` against `small` is what the table costs a request; `small-again` against
+`small` is the noise floor of this very comparison (an A/A pair: the same table twice). Per
+target: the p50, p95 and p99 of its rounds' latencies pooled, each round's p99, and from the
+proxy's watcher's stats lines over its rounds the loop's longest stall and the table's longest
+hold.
 
 Results: benchmarks/results/table_cost.json and the `table_cost` section of RESULTS.md.
 
@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
-import os
 import shutil
 import statistics
 import sys
@@ -47,7 +46,6 @@ from benchmarks.control_plane_bench import (
     SMALL_TABLE,
     STATS_LINE_S,
     Writers,
-    cpu_list,
     keep_the_cluster_off,
     parse_sizes,
     say,
@@ -57,7 +55,6 @@ from benchmarks.control_plane_bench import (
     watcher_lines,
 )
 from benchmarks.loadgen import latency_figures, percentile
-from benchmarks.placement import pin_tree
 from benchmarks.results_file import git_revision, machine_notes, write_json, write_section
 from kroute.embedded import EmbeddedServices
 from kroute.proxies import ProxyHandle, start_proxy
@@ -113,18 +110,24 @@ def paced_round(url: str, seconds: float, args: argparse.Namespace) -> dict[str,
         )
 
 
-def take_turn(
-    proxies: dict[str, ProxyHandle], name: str, args: argparse.Namespace, elsewhere: set[int]
-) -> None:
-    """`name` alone on the request path's CPUs (none for DIRECT), the other proxies on
-    `elsewhere`, then `--settle-seconds`. Without `--request-path-cpus` nothing moves."""
-    if args.request_path_cpus:
-        for other, proxy in proxies.items():
-            if other != name:
-                pin_tree(proxy.process.pid, elsewhere)
-        if name in proxies:
-            pin_tree(proxies[name].process.pid, cpu_list(args.request_path_cpus))
-    time.sleep(args.settle_seconds)
+def one_turn(
+    services: EmbeddedServices,
+    redis_url: str,
+    name: str,
+    cluster: str | None,
+    url: str,
+    args: argparse.Namespace,
+) -> tuple[ProxyHandle | None, float, dict[str, Any]]:
+    """A turn of `name`: its proxy started fresh (none for DIRECT), a warm-up round that fills
+    its cached choices (not counted), then the measured round; the proxy, when the round
+    began and what the round measured. The caller reads the proxy's log, then stops it."""
+    proxy = None
+    if cluster is not None:
+        proxy = start_measured_proxy(services, redis_url, cluster, name, args.request_path_cpus)
+        url = proxy.url
+        paced_round(url, args.warmup_seconds, args)
+    started = time.time()
+    return proxy, started, paced_round(url, args.round_seconds, args)
 
 
 def record_round(
@@ -161,36 +164,29 @@ def measure_size(
     small_cluster = f"tc-small-{SMALL_TABLE[0]}-{SMALL_TABLE[1]}-for-{size[0]}"
     say(f"{size[0]} nodes / {size[1]} partitions: writers, then three proxies")
     writers: list[Writers] = []
-    proxies: dict[str, ProxyHandle] = {}
     try:
         writers.append(start_writers(redis_url, large_cluster, size, 1, args.writers, backends))
         writers.append(start_writers(redis_url, small_cluster, SMALL_TABLE, 1, 1, backends))
         time.sleep(2)
         clusters = {"large": large_cluster, "small": small_cluster, "small-again": small_cluster}
-        for name, cluster in clusters.items():
-            proxies[name] = start_measured_proxy(
-                services, redis_url, cluster, name, args.request_path_cpus
-            )
-        elsewhere = os.sched_getaffinity(0)  # Redis's and the writers' CPUs
-        urls = {**{name: proxy.url for name, proxy in proxies.items()}, DIRECT: backends[0]}
-        for name in PROXIES:  # fills each one's cached choices; not counted
-            take_turn(proxies, name, args, elsewhere)
-            paced_round(urls[name], args.warmup_seconds, args)
         measured = {name: Measured() for name in TARGETS}
         for index in range(args.rounds):
             for name in rotated(index):
-                take_turn(proxies, name, args, elsewhere)
-                started = time.time()
-                load = paced_round(urls[name], args.round_seconds, args)
-                time.sleep(STATS_LINE_S + 0.5)  # the watcher's line for the round's end
-                record_round(measured[name], proxies.get(name), started, load)
+                proxy, started, load = one_turn(
+                    services, redis_url, name, clusters.get(name), backends[0], args
+                )
+                try:
+                    if proxy is not None:
+                        time.sleep(STATS_LINE_S + 0.5)  # the watcher's line for the round's end
+                    record_round(measured[name], proxy, started, load)
+                finally:
+                    if proxy is not None:
+                        proxy.process.stop()
+                        proxy.close()
             say(f"round {index + 1}/{args.rounds}: " + ", ".join(
                 f"{n} p99 {m.round_p99_ms[-1]} ms" for n, m in measured.items()
             ))  # fmt: skip
     finally:
-        for proxy in proxies.values():
-            proxy.process.stop()
-            proxy.close()
         for group in writers:
             group.close()
     return compared({name: m.figures() for name, m in measured.items()})
@@ -217,13 +213,12 @@ def compared(figures: dict[str, dict[str, Any]]) -> dict[str, Any]:
 def markdown(data: dict[str, Any]) -> str:
     rows = [
         f"`{data['command']}` at {data['revision']} ({data['machine']}): {data['rounds']} rounds "
-        f"of {data['round_seconds']} s per proxy at {data['rate']} requests/s, three proxies "
-        f"on the same Redis and writers taking turns on the request path's CPU (the others "
-        f"on the other one, still reading Redis; each moved {data['settle_seconds']} s before "
-        "its round). `large` "
+        f"of {data['round_seconds']} s each at {data['rate']} requests/s, the targets taking "
+        "turns in rotating order on the same Redis and writers, each proxy started for its turn "
+        f"and warmed up for {data['warmup_seconds']} s first. `large` "
         f"reads the size's cluster, `small` and `small-again` a {SMALL_TABLE[0]}-node / "
         f"{SMALL_TABLE[1]}-partition one: large/small is what the table costs a request, "
-        "small-again/small the noise floor of the same comparison.",
+        "small-again/small the noise floor of the same comparison, direct the host's own.",
         "",
         "| size | proxy | p50 ms | p95 ms | p99 ms (pooled) | median round p99 ms | "
         "round p99s ms | longest loop stall ms | longest table hold ms |",
@@ -262,13 +257,10 @@ def main() -> int:
     parser.add_argument("--rate", type=int, default=2_000, help="requests/s of the paced load")
     parser.add_argument("--connections", type=int, default=16)
     parser.add_argument(
-        "--warmup-seconds", type=float, default=5, help="a first round per proxy, not counted"
-    )
-    parser.add_argument(
-        "--settle-seconds",
+        "--warmup-seconds",
         type=float,
-        default=2,
-        help="a proxy runs this long on the request path's CPUs before its round starts",
+        default=5,
+        help="a round before each proxy's measured one, not counted",
     )
     parser.add_argument("--writers", type=int, default=2, help="writer processes per size")
     parser.add_argument(
@@ -295,7 +287,7 @@ def main() -> int:
         "request_path_cpus": args.request_path_cpus,
         "rounds": args.rounds,
         "round_seconds": args.round_seconds,
-        "settle_seconds": args.settle_seconds,
+        "warmup_seconds": args.warmup_seconds,
         "rate": args.rate,
         "small_table": f"{SMALL_TABLE[0]}/{SMALL_TABLE[1]}",
         "sizes": sizes,
