@@ -220,9 +220,9 @@ def markdown(data: dict[str, Any]) -> str:
         f"{SMALL_TABLE[1]}-partition one: large/small is what the table costs a request, "
         "small-again/small the noise floor of the same comparison, direct the host's own.",
         "",
-        "| size | proxy | p50 ms | p95 ms | p99 ms (pooled) | median round p99 ms | "
-        "round p99s ms | longest loop stall ms | longest table hold ms |",
-        "|---|---|---:|---:|---:|---:|---|---:|---:|",
+        "| size | proxy | requests | failed | p50 ms | p95 ms | p99 ms (pooled) | median round "
+        "p99 ms | round p99s ms | longest loop stall ms | longest table hold ms |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|",
     ]
     for size, result in data["sizes"].items():
         for name, f in result["proxies"].items():
@@ -233,7 +233,8 @@ def markdown(data: dict[str, Any]) -> str:
                 else f"| {f['loop_stall_max_ms']} | {f['table_hold_max_ms']} |"
             )
             rows.append(
-                f"| {size} | {name} | {f['p50_ms']} | {f['p95_ms']} | {f['p99_ms']} | "
+                f"| {size} | {name} | {f['requests']:,} | {f['failed']:,} | {f['p50_ms']} | "
+                f"{f['p95_ms']} | {f['p99_ms']} | "
                 f"{f['round_p99_median_ms']} | {rounds} {loop}"
             )
     rows += ["", "| size | p95 large/small | p95 small-again/small | p99 large/small | "
