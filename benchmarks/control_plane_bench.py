@@ -53,6 +53,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from multiprocessing.sharedctypes import Synchronized
 from pathlib import Path
@@ -81,7 +83,7 @@ from common.contract import (
     decode_store,
     encode,
 )
-from kroute.embedded import EmbeddedServices, free_port, port_open
+from kroute.embedded import EmbeddedServices, RedisHandle, free_port, port_open
 from kroute.proxies import ProxyHandle, start_proxy
 from kroute.static_cluster import round_robin
 from partitioner import KeyPartitioner
@@ -935,6 +937,30 @@ def start_backends(
     return [f"http://127.0.0.1:{port}" for port in ports]
 
 
+def add_request_path_cpus(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--request-path-cpus",
+        help="CPUs the proxy, the backends and the load run on (a taskset -c list); Redis and "
+        "the simulated nodes' writers run on the others (default: nothing pinned)",
+    )
+
+
+@contextmanager
+def cluster_services(
+    prefix: str, request_path_cpus: str | None
+) -> Iterator[tuple[EmbeddedServices, RedisHandle, list[str]]]:
+    """Redis and the backends of a run, in a work folder kept only when the run fails (for
+    its logs); with `request_path_cpus`, this process and what it starts (Redis, the writers)
+    off those CPUs, and the backends on them."""
+    if request_path_cpus:
+        keep_the_cluster_off(request_path_cpus)
+    workdir = Path(tempfile.mkdtemp(prefix=prefix))
+    with EmbeddedServices(workdir) as services:
+        redis_server = services.start_redis()
+        yield services, redis_server, start_backends(services, workdir, request_path_cpus)
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
 def parse_sizes(text: str) -> list[tuple[int, int]]:
     sizes = []
     for item in text.split(","):
@@ -962,19 +988,14 @@ def main() -> int:
         help="replicas' caught-up ages move between reports, as they do for a writer that "
         "stamps each report with its own time instead of its end-offset read's",
     )
-    parser.add_argument(
-        "--request-path-cpus",
-        help="CPUs the proxy, the backends and the load run on (a taskset -c list); Redis and "
-        "the simulated nodes' writers run on the others (default: nothing pinned)",
-    )
+    add_request_path_cpus(parser)
     args = parser.parse_args()
-    if args.request_path_cpus:
-        keep_the_cluster_off(args.request_path_cpus)
-    workdir = Path(tempfile.mkdtemp(prefix="kroute-control-plane-"))
     sizes: dict[str, Any] = {}
-    with EmbeddedServices(workdir) as services:
-        redis_server = services.start_redis()
-        backends = start_backends(services, workdir, args.request_path_cpus)
+    with cluster_services("kroute-control-plane-", args.request_path_cpus) as (
+        services,
+        redis_server,
+        backends,
+    ):
         for size in args.sizes:
             name = f"{size[0]}/{size[1]}"
             sizes[name] = measure_size(
@@ -992,7 +1013,6 @@ def main() -> int:
         "sizes": sizes,
         "projection": projection(sizes),
     }
-    shutil.rmtree(workdir, ignore_errors=True)  # kept only when a run fails, for its logs
     # Moving ages are a second scenario beside the steady one: kept in their own results.
     name = "control_plane_ages_move" if args.ages_move else "control_plane"
     write_json(name, data)

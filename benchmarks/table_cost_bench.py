@@ -33,23 +33,20 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from benchmarks.control_plane_bench import (
     SMALL_TABLE,
     STATS_LINE_S,
     Writers,
-    keep_the_cluster_off,
+    add_request_path_cpus,
+    cluster_services,
     parse_sizes,
     say,
-    start_backends,
     start_writers,
     steady_load,
     watcher_lines,
@@ -264,19 +261,14 @@ def main() -> int:
         help="a round before each proxy's measured one, not counted",
     )
     parser.add_argument("--writers", type=int, default=2, help="writer processes per size")
-    parser.add_argument(
-        "--request-path-cpus",
-        help="CPUs the proxies, the backends and the load run on (a taskset -c list); Redis "
-        "and the writers run on the others (default: nothing pinned)",
-    )
+    add_request_path_cpus(parser)
     args = parser.parse_args()
-    if args.request_path_cpus:
-        keep_the_cluster_off(args.request_path_cpus)
-    workdir = Path(tempfile.mkdtemp(prefix="kroute-table-cost-"))
     sizes: dict[str, Any] = {}
-    with EmbeddedServices(workdir) as services:
-        redis_server = services.start_redis()
-        backends = start_backends(services, workdir, args.request_path_cpus)
+    with cluster_services("kroute-table-cost-", args.request_path_cpus) as (
+        services,
+        redis_server,
+        backends,
+    ):
         for size in args.sizes:
             name = f"{size[0]}/{size[1]}"
             sizes[name] = measure_size(services, redis_server.url, backends, size, args)
@@ -293,7 +285,6 @@ def main() -> int:
         "small_table": f"{SMALL_TABLE[0]}/{SMALL_TABLE[1]}",
         "sizes": sizes,
     }
-    shutil.rmtree(workdir, ignore_errors=True)  # kept only when a run fails, for its logs
     write_json("table_cost", data)
     write_section("table_cost", markdown(data))
     print(markdown(data))
