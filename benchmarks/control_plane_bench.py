@@ -593,13 +593,24 @@ def measure_size(
 def start_bench_proxy(
     services: EmbeddedServices, redis_url: str, cluster: str, args: argparse.Namespace
 ) -> ProxyHandle:
-    """A proxy of `cluster` (debug logs: its watcher's stats lines), after its warm-up."""
-    proxy = start_proxy(
-        services, redis_url, name=f"proxy-{cluster}", cluster=cluster, max_lag="1000",
-        max_lag_ms="60000", log_level="debug", timeout_s=120, cpus=args.request_path_cpus,
-    )  # fmt: skip
+    """A proxy of `cluster` (see `debug_proxy`), after its warm-up."""
+    proxy = debug_proxy(services, redis_url, cluster, args.request_path_cpus)
     time.sleep(args.warmup_seconds)
     return proxy
+
+
+def debug_proxy(
+    services: EmbeddedServices,
+    redis_url: str,
+    cluster: str,
+    cpus: str | None,
+    name: str = "proxy",
+) -> ProxyHandle:
+    """A proxy of `cluster` with debug logs (its watcher's stats lines, every 2 s)."""
+    return start_proxy(
+        services, redis_url, name=f"{name}-{cluster}", cluster=cluster, max_lag="1000",
+        max_lag_ms="60000", log_level="debug", timeout_s=120, cpus=cpus,
+    )  # fmt: skip
 
 
 def measure_small_table(
@@ -661,7 +672,7 @@ def measure_window(
         # Confirmations that moved a node's report clock in place: nothing renewed for them.
         "clocks_moved_in_place_per_s": round(delta("clocks_moved_in_place") / span),
         "loop_stall_max_ms": round(max((line["max_loop_lag_ms"] for line in lines), default=0), 2),
-        "loop_stall_busy_max_ms": _max_of(lines, "max_loop_lag_busy_ms"),
+        "loop_stall_busy_max_ms": max_of(lines, "max_loop_lag_busy_ms"),
         "table_hold_max_ms": round(max((line["max_hold_ms"] for line in lines), default=0), 2),
         "snapshot_swap_max_ms": round(max((line["max_swap_ms"] for line in lines), default=0), 2),
         "proxy_cpu_percent": round(cpu_used / elapsed * 100, 1),
@@ -694,11 +705,11 @@ def measure_steady(proxy: ProxyHandle, args: argparse.Namespace) -> dict[str, An
     lines = watcher_lines(proxy.process.log_path, started + STATS_LINE_S, time.time())
     return {
         **load,
-        "loop_stall_max_ms": _max_of(lines, "max_loop_lag_ms"),
+        "loop_stall_max_ms": max_of(lines, "max_loop_lag_ms"),
         # Of the longest stalls, at most this much was the proxy's own CPU time.
-        "loop_stall_busy_max_ms": _max_of(lines, "max_loop_lag_busy_ms"),
-        "table_hold_max_ms": _max_of(lines, "max_hold_ms"),
-        "collector_pause_max_ms": _max_of(lines, "max_gc_ms"),
+        "loop_stall_busy_max_ms": max_of(lines, "max_loop_lag_busy_ms"),
+        "table_hold_max_ms": max_of(lines, "max_hold_ms"),
+        "collector_pause_max_ms": max_of(lines, "max_gc_ms"),
         "proxy_cpu_percent": round(cpu_used / elapsed * 100, 1),
     }
 
@@ -766,7 +777,7 @@ def _propagation_cell(prop: dict[str, Any] | None) -> str:
     return "" if prop is None else f"{prop['p50']} / {prop['p99']} ({prop['samples']})"
 
 
-def _max_of(lines: list[dict[str, Any]], name: str) -> float:
+def max_of(lines: list[dict[str, Any]], name: str) -> float:
     return round(max((float(line.get(name, 0)) for line in lines), default=0.0), 2)
 
 

@@ -45,6 +45,8 @@ from benchmarks.control_plane_bench import (
     Writers,
     add_request_path_cpus,
     cluster_services,
+    debug_proxy,
+    max_of,
     parse_sizes,
     say,
     start_writers,
@@ -54,7 +56,7 @@ from benchmarks.control_plane_bench import (
 from benchmarks.loadgen import latency_figures, percentile
 from benchmarks.results_file import git_revision, machine_notes, write_json, write_section
 from kroute.embedded import EmbeddedServices
-from kroute.proxies import ProxyHandle, start_proxy
+from kroute.proxies import ProxyHandle
 
 DEFAULT_SIZES = "300/6000,1000/20000"
 PROXIES = ("large", "small", "small-again")
@@ -68,8 +70,8 @@ class Measured:
 
     latencies_ms: list[float] = field(default_factory=list)
     round_p99_ms: list[float] = field(default_factory=list)
-    stall_max_ms: list[float] = field(default_factory=list)
-    hold_max_ms: list[float] = field(default_factory=list)
+    stall_max_ms: float = 0.0
+    hold_max_ms: float = 0.0
     failed: int = 0
 
     def figures(self) -> dict[str, Any]:
@@ -82,19 +84,9 @@ class Measured:
             "p95_ms": percentile(self.latencies_ms, 0.95),
             "round_p99_ms": self.round_p99_ms,
             "round_p99_median_ms": round(statistics.median(self.round_p99_ms), 1),
-            "loop_stall_max_ms": round(max(self.stall_max_ms, default=0.0), 2),
-            "table_hold_max_ms": round(max(self.hold_max_ms, default=0.0), 2),
+            "loop_stall_max_ms": self.stall_max_ms,
+            "table_hold_max_ms": self.hold_max_ms,
         }
-
-
-def start_measured_proxy(
-    services: EmbeddedServices, redis_url: str, cluster: str, name: str, cpus: str | None
-) -> ProxyHandle:
-    """A proxy of `cluster` with debug logs (its watcher's stats lines, every 2 s)."""
-    return start_proxy(
-        services, redis_url, name=f"proxy-{name}-{cluster}", cluster=cluster, max_lag="1000",
-        max_lag_ms="60000", log_level="debug", timeout_s=120, cpus=cpus,
-    )  # fmt: skip
 
 
 def paced_round(url: str, seconds: float, args: argparse.Namespace) -> dict[str, Any]:
@@ -120,7 +112,7 @@ def one_turn(
     began and what the round measured. The caller reads the proxy's log, then stops it."""
     proxy = None
     if cluster is not None:
-        proxy = start_measured_proxy(services, redis_url, cluster, name, args.request_path_cpus)
+        proxy = debug_proxy(services, redis_url, cluster, args.request_path_cpus, f"proxy-{name}")
         url = proxy.url
         paced_round(url, args.warmup_seconds, args)
     started = time.time()
@@ -140,8 +132,8 @@ def record_round(
     measured.latencies_ms.extend(latencies)
     measured.failed += sum(load["failed"].values())
     measured.round_p99_ms.append(percentile(latencies, 0.99) or 0.0)
-    measured.stall_max_ms.append(max((line["max_loop_lag_ms"] for line in lines), default=0.0))
-    measured.hold_max_ms.append(max((line["max_hold_ms"] for line in lines), default=0.0))
+    measured.stall_max_ms = max(measured.stall_max_ms, max_of(lines, "max_loop_lag_ms"))
+    measured.hold_max_ms = max(measured.hold_max_ms, max_of(lines, "max_hold_ms"))
 
 
 def rotated(round_index: int) -> list[str]:
@@ -191,7 +183,8 @@ def measure_size(
 
 def compared(figures: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The proxies' figures with the two ratios that matter: the table's (large / small) and
-    the noise floor's (small-again / small), for the pooled p99 and the median round's."""
+    the noise floor's (small-again / small), for the pooled p95 and p99 and the median
+    round's p99."""
 
     def ratio(name: str, key: str) -> float:
         return round(float(figures[name][key]) / float(figures["small"][key]), 2)
