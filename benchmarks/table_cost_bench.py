@@ -60,7 +60,7 @@ from kroute.proxies import ProxyHandle
 
 DEFAULT_SIZES = "300/6000,1000/20000"
 PROXIES = ("large", "small", "small-again")
-DIRECT = "direct"  # straight to a backend, every proxy off the request path: the host's floor
+DIRECT = "direct"  # straight to a backend, no proxy running: the host's floor
 TARGETS = (*PROXIES, DIRECT)
 
 
@@ -137,7 +137,7 @@ def record_round(
 
 
 def rotated(round_index: int) -> list[str]:
-    """The proxies' order in a round: each goes first, second and last equally often."""
+    """The targets' order in a round: over len(TARGETS) rounds each takes every place once."""
     shift = round_index % len(TARGETS)
     return list(TARGETS[shift:] + TARGETS[:shift])
 
@@ -151,7 +151,7 @@ def measure_size(
 ) -> dict[str, Any]:
     large_cluster = f"tc-{size[0]}-{size[1]}"
     small_cluster = f"tc-small-{SMALL_TABLE[0]}-{SMALL_TABLE[1]}-for-{size[0]}"
-    say(f"{size[0]} nodes / {size[1]} partitions: writers, then three proxies")
+    say(f"{size[0]} nodes / {size[1]} partitions: writers, then the targets' turns")
     writers: list[Writers] = []
     try:
         writers.append(start_writers(redis_url, large_cluster, size, 1, args.writers, backends))
