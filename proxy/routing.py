@@ -31,7 +31,7 @@ reports.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from common.contract import (
     Assignment,
@@ -71,6 +71,21 @@ class RoutingSnapshot:
     # The partitions whose replicas differ from the previous snapshot's while their choice does
     # not (ChoiceStability): a cached choice of theirs may be renewed from the new replicas.
     renewed: Mapping[str, frozenset[int]] = field(default_factory=dict)
+    # The latest moment a choice cached from the previous snapshot's rows may have been made
+    # for `renewed` to hold (None: whenever); swapped in later, they are changed instead.
+    renewed_until_ms: int | None = None
+
+    def as_swapped_at(self, at_ms: int) -> RoutingSnapshot:
+        """This snapshot as swapped in at `at_ms` (no earlier than any request's clock so
+        far): the partitions it renews named changed when `at_ms` is past `renewed_until_ms`
+        (the request path kept making choices from the old rows after they were judged)."""
+        until = self.renewed_until_ms
+        if until is None or at_ms <= until or self.changed is None or not self.renewed:
+            return self
+        changed = dict(self.changed)
+        for store, partitions in self.renewed.items():
+            changed[store] = changed.get(store, frozenset()) | partitions
+        return replace(self, changed=changed, renewed={}, renewed_until_ms=None)
 
     def live_urls(self) -> tuple[str, ...]:
         """Where requests that match no keyed route may go: any live registered node."""
@@ -219,6 +234,27 @@ class ChoiceStability:
         # is in sync, both already the same. Among several standbys lag and time lag order.
         return standbys < 2 or self._order(old, now_ms) == self._order(new, now_ms)
 
+    def same_over(self, old: Row, new: Row, start_ms: int, end_ms: int) -> bool:
+        """`same` for choices cached from `old` at any moment up to `end_ms` (requests read the
+        old rows until the new ones are swapped in): judged at `start_ms`, at `end_ms` and at
+        every moment between where a replica's standing flips (a report goes stale, a time lag
+        leaves the budget). Between two of those nothing a choice depends on moves."""
+        if not self.same(old, new, start_ms):
+            return False
+        flips = sorted(m for m in self._flips(old, new) if start_ms < m < end_ms)
+        return all(self.same(old, new, at) for at in flips) and self.same(old, new, end_ms)
+
+    def _flips(self, old: Row, new: Row) -> Iterator[int]:
+        """The first moments the replicas' reports are stale or over the time budget."""
+        limit = self.budget.max_ms
+        for replica in (*old, *new):
+            reported = replica.reported_at_ms
+            if reported is not None:
+                yield reported + self.stale_after_ms + 1
+            caught_up = replica.caught_up_at_ms
+            if limit is not None and caught_up is not None:
+                yield caught_up + limit + 1
+
     def _same_standing(self, before: Replica, after: Replica, now_ms: int) -> bool:
         """Whether `after` is treated as `before` is (refused alike, ordered by the same
         class) from now until the choice from `before` expires."""
@@ -359,6 +395,15 @@ STEP_PARTITIONS = 32
 
 
 Where = tuple[str, int]  # (store, partition)
+# How far past its start a rebuild judges a partition's new row against its old one
+# (`ChoiceStability.same_over`: from the start to this far ahead). Requests go on reading the
+# old rows until the snapshot is swapped in, so a choice cached from them may be made after the
+# rebuild began: one made once an old report had gone stale refuses a replica the new row
+# serves, and would be kept (renewed from the new row, for a minute) if the judgement looked at
+# the start only. A snapshot swapped in later than this names those partitions changed instead
+# (`RoutingSnapshot.as_swapped_at`). Rebuild and swap take milliseconds at steady state; a
+# proxy starting at 20,000 partitions under load took seconds.
+JUDGED_AHEAD_MS = 1_000
 # A node placed on more partitions than this (or reporting more) is never judged for an
 # in-place clock move: the judgement looks at each of them in one stretch on the event loop
 # (~2 µs each), while the rebuild path goes in steps. A node hosts a few dozen at scale
@@ -441,6 +486,7 @@ class TableBuilder:
         self._alive_frozen: frozenset[str] = frozenset()
         self._changed: dict[str, set[int]] | None = None  # since the last snapshot
         self._renewed: dict[str, set[int]] = {}
+        self._renewed_until: int | None = None  # the snapshot's `renewed_until_ms`
         # A node's URL, liveness or membership changed: the snapshot's node_urls and alive
         # differ even when the node is placed nowhere (no partition touched).
         self._membership_changed = False
@@ -747,8 +793,12 @@ class TableBuilder:
                 # which nothing moves any more; named so the request path follows the new.
                 self._renewed.setdefault(store, set()).add(partition)
             return
-        if self.stability is not None and self.stability.same(old, new, now_ms):
+        stability = self.stability
+        ahead = now_ms + JUDGED_AHEAD_MS
+        if stability is not None and stability.same_over(old, new, now_ms, ahead):
             self._renewed.setdefault(store, set()).add(partition)
+            until = self._renewed_until
+            self._renewed_until = ahead if until is None else min(until, ahead)
         else:
             self._changed.setdefault(store, set()).add(partition)
 
@@ -776,6 +826,7 @@ class TableBuilder:
         changed, self._changed = self._changed, {}
         # A partition changed since the last snapshot is not renewed, whatever came after.
         renewed, self._renewed = self._renewed, {}
+        renewed_until, self._renewed_until = self._renewed_until, None
         if changed is None:
             renewed = {}
         else:
@@ -798,4 +849,5 @@ class TableBuilder:
             if changed is None
             else {store: frozenset(parts) for store, parts in changed.items()},
             renewed={store: frozenset(parts) for store, parts in renewed.items() if parts},
+            renewed_until_ms=renewed_until,
         )

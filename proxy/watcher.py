@@ -33,6 +33,9 @@ at once. A swap makes the request path forget only the cached choices of the par
 choice it changes (`RoutingSnapshot.changed`, judged by the handler's `ChoiceStability`): a
 report that moves times and lags inside the budget changes none, and the choices it leaves
 standing are renewed from the new replicas after the swap (`keep_choices`), in steps.
+Requests keep choosing from the old rows until the swap, so the judgement looks
+`JUDGED_AHEAD_MS` past the rebuild's start too, and a swap later than that names those
+partitions changed instead (`RoutingSnapshot.as_swapped_at`).
 `stats` says what all this costs (logged at debug level
 every `STATS_LOG_S`), including the event loop's longest stall, from a 10 ms timer.
 
@@ -196,6 +199,9 @@ class WatcherStats:
     # counts every partition), and those they left standing, to be renewed.
     changed_partitions: int = 0
     renewed_partitions: int = 0
+    # Swaps that came too late after their rebuild for its renewals to hold (requests kept
+    # choosing from the old rows meanwhile): they named those partitions changed instead.
+    late_swaps: int = 0
     max_swap_ms: float = 0.0  # the longest `on_snapshot` took (the handler's own swap)
     # The event loop's longest stall, whatever caused it (a request burst, the garbage
     # collector, the table, the machine running something else): how late a timer asking for
@@ -829,6 +835,10 @@ class TableWatcher:
         if self._changes_dropped:
             snapshot = replace(snapshot, changed=None, renewed={})
             self._changes_dropped = False
+        swapped = snapshot.as_swapped_at(judging_moment(self.clock.now_ms(), self.clock))
+        if swapped is not snapshot:
+            self.stats.late_swaps += 1
+            snapshot = swapped
         self._last_swap_s = time.monotonic()
         previous, self.snapshot = self.snapshot, snapshot
         if previous.generation != snapshot.generation:

@@ -6,7 +6,9 @@ at once, and so do the request path's cached choices (their expiry, `Cached.live
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import replace
+from unittest.mock import patch
 
 import pytest
 from hypothesis import example, given, settings
@@ -30,6 +32,17 @@ STALE_MS = 3_000
 # A small budget and stale time, and times around them: moving a report's times can make it
 # fresh again or bring it back inside the time budget (a changed choice), or not (renewed).
 STABILITY = ChoiceStability(LagBudget(5, 1_000), "reject", STALE_MS)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _judged_at_one_moment() -> Iterator[None]:
+    """A rebuild also judges its rows a while ahead (`JUDGED_AHEAD_MS`: requests read the old
+    rows until its swap), a clock moved in place at once; the shift and the whole apply are
+    compared judged at the same moment (tests/proxy/test_choice_made_during_rebuild.py covers
+    the look-ahead)."""
+    with patch("proxy.routing.JUDGED_AHEAD_MS", 0):
+        yield
+
 
 placements = st.builds(
     PartitionAssignment,
