@@ -32,15 +32,14 @@ from common.contract import (
 from proxy.choice import LagBudget, choice_expires_at, choose_replicas
 from proxy.routing import JUDGED_AHEAD_MS, ChoiceStability, RoutingSnapshot, TableBuilder
 from tests.proxy.test_review2_renew import (
-    NODE_IDS,
-    ROLES,
     START,
-    _assert_exact_until_it_expires,
     _handler_with,
-    _report,
-    _shift,
+    apply_step,
+    assert_cache_exact,
     budgets,
     steps,
+    swap_in,
+    three_node_table,
 )
 
 NOW = 9_000_000
@@ -238,32 +237,12 @@ def test_a_choice_made_while_a_rebuild_ran_is_the_choice_the_rows_give(budget, c
 
 async def _check(budget: LagBudget, chain: list) -> None:  # type: ignore[type-arg]
     handler = _handler_with(budget)
-    table = TableBuilder(handler.choice_stability)
-    table.set_stores({"s": StoreInfo("s", "t", 1)})
-    table.set_assignment(Assignment(1, "a", 0, {"s": {0: PartitionAssignment("a", ("b", "c"))}}))
     now = START
-    for node_id in NODE_IDS:
-        table.set_node(
-            node_id,
-            NodeInfo(node_id, f"http://{node_id}:1", 0),
-            Hosting(node_id, 1, {"s": {ROLES[node_id]: (0,)}}, now),  # type: ignore[dict-item]
-            {("s", 0): _report(node_id, 0, 0, 0, now)},
-        )
-    table.set_alive(set(NODE_IDS))
+    table = three_node_table(handler, now)
     snapshot = None
     for (new_reports, passing, alive, request), delay in chain:
         now += passing
-        for node_id, lag, caught_ago, ago in new_reports:
-            if lag == "shift":
-                _shift(table, node_id, caught_ago, now)
-                continue
-            table.set_node(
-                node_id,
-                table.nodes[node_id],
-                table.hostings[node_id],
-                {("s", 0): _report(node_id, lag, caught_ago, ago, now)},
-            )
-        table.set_alive(set(alive))
+        apply_step(table, new_reports, alive, now)
         _drain(table.rebuild(now))  # judged now
         built = table.snapshot(now)
         now += delay  # the rebuild's steps and yields: requests read the old rows meanwhile
@@ -271,11 +250,5 @@ async def _check(budget: LagBudget, chain: list) -> None:  # type: ignore[type-a
             if request and snapshot is not None:
                 handler._choice(snapshot.stores["s"], "s", 0, None)
             snapshot = built.as_swapped_at(now)
-            handler.use_snapshot(snapshot)
-            for name, partitions in snapshot.renewed.items():
-                handler.renew_choices(snapshot, name, sorted(partitions))
-            if request:
-                handler._choice(snapshot.stores["s"], "s", 0, None)
-        cached = handler._choices["s"][0]
-        if cached is not None:
-            _assert_exact_until_it_expires(cached, snapshot.stores["s"].replicas[0], budget, now)
+            swap_in(handler, snapshot, request)
+        assert_cache_exact(handler, snapshot, budget, now)

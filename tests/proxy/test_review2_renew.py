@@ -32,7 +32,7 @@ from proxy.choice import (
     expires_at,
 )
 from proxy.handler import ChoicePolicy, RequestHandler
-from proxy.routing import TableBuilder
+from proxy.routing import RoutingSnapshot, TableBuilder
 from tests.proxy.test_routing_choice_stability import _handler
 
 NODE_IDS = ("a", "b", "c")
@@ -103,11 +103,43 @@ def test_an_unrenewed_choice_is_the_choice_the_current_rows_give(budget, chain):
 
 async def _check(budget: LagBudget, chain: list) -> None:
     handler = _handler_with(budget)
+    now = START
+    table = three_node_table(handler, now)
+    for new_reports, passing, alive, request in chain:
+        now += passing
+        apply_step(table, new_reports, alive, now)
+        with patch("proxy.handler.now_ms", lambda at=now: at):
+            for _ in table.rebuild(now):
+                pass
+            snapshot = table.snapshot(now)
+            swap_in(handler, snapshot, request)
+        assert_cache_exact(handler, snapshot, budget, now)
+
+
+def swap_in(handler: RequestHandler, snapshot: RoutingSnapshot, request: bool) -> None:
+    """The request path takes the snapshot (forgets the choices it names changed, renews
+    those it names renewed) and, if a request comes, caches a choice."""
+    handler.use_snapshot(snapshot)
+    for name, partitions in snapshot.renewed.items():
+        handler.renew_choices(snapshot, name, sorted(partitions))
+    if request:
+        handler._choice(snapshot.stores["s"], "s", 0, None)
+
+
+def assert_cache_exact(
+    handler: RequestHandler, snapshot: RoutingSnapshot, budget: LagBudget, now: int
+) -> None:
+    cached = handler._choices["s"][0]
+    if cached is not None:
+        _assert_exact_until_it_expires(cached, snapshot.stores["s"].replicas[0], budget, now)
+
+
+def three_node_table(handler: RequestHandler, now: int) -> TableBuilder:
+    """One partition: a active, b and c standbys, each caught up and reporting at `now`."""
     table = TableBuilder(handler.choice_stability)
     table.set_stores({"s": StoreInfo("s", "t", 1)})
     placed = {0: PartitionAssignment("a", ("b", "c"))}
     table.set_assignment(Assignment(1, "a", 0, {"s": placed}))
-    now = START
     for node_id in NODE_IDS:
         hosted = {"s": {ROLES[node_id]: (0,)}}
         table.set_node(
@@ -117,31 +149,23 @@ async def _check(budget: LagBudget, chain: list) -> None:
             {("s", 0): _report(node_id, 0, 0, 0, now)},
         )
     table.set_alive(set(NODE_IDS))
-    for new_reports, passing, alive, request in chain:
-        now += passing
-        for node_id, lag, caught_ago, ago in new_reports:
-            if lag == "shift":
-                _shift(table, node_id, caught_ago, now)
-                continue
-            table.set_node(
-                node_id,
-                table.nodes[node_id],
-                table.hostings[node_id],
-                {("s", 0): _report(node_id, lag, caught_ago, ago, now)},
-            )
-        table.set_alive(set(alive))
-        with patch("proxy.handler.now_ms", lambda at=now: at):
-            for _ in table.rebuild(now):
-                pass
-            snapshot = table.snapshot(now)
-            handler.use_snapshot(snapshot)
-            for name, partitions in snapshot.renewed.items():
-                handler.renew_choices(snapshot, name, sorted(partitions))
-            if request:
-                handler._choice(snapshot.stores["s"], "s", 0, None)
-        cached = handler._choices["s"][0]
-        if cached is not None:
-            _assert_exact_until_it_expires(cached, snapshot.stores["s"].replicas[0], budget, now)
+    return table
+
+
+def apply_step(table: TableBuilder, new_reports: list, alive: frozenset[str], now: int) -> None:  # type: ignore[type-arg]
+    """A step's reports (a "shift" moves the node's times as a confirmation does, any other
+    is set whole) and who is alive."""
+    for node_id, lag, caught_ago, ago in new_reports:
+        if lag == "shift":
+            _shift(table, node_id, caught_ago, now)
+            continue
+        table.set_node(
+            node_id,
+            table.nodes[node_id],
+            table.hostings[node_id],
+            {("s", 0): _report(node_id, lag, caught_ago, ago, now)},
+        )
+    table.set_alive(set(alive))
 
 
 def _assert_exact_until_it_expires(

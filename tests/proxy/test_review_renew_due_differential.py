@@ -13,19 +13,16 @@ from unittest.mock import patch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.contract import Assignment, Hosting, NodeInfo, PartitionAssignment, StoreInfo
 from proxy.choice import LagBudget
-from proxy.routing import TableBuilder
 from tests.proxy.test_review2_renew import (
     NODE_IDS,
-    ROLES,
     START,
     _assert_exact_until_it_expires,
     _handler_with,
-    _report,
-    _shift,
+    apply_step,
     budgets,
     reports,
+    three_node_table,
 )
 
 sweep = st.just([(node_id, 0, 0, 0) for node_id in NODE_IDS])
@@ -49,33 +46,12 @@ def test_a_choice_renew_due_renews_is_the_choice_the_current_rows_give(budget, c
 
 async def _check(budget: LagBudget, chain: list) -> None:
     handler = _handler_with(budget)
-    table = TableBuilder(handler.choice_stability)
-    table.set_stores({"s": StoreInfo("s", "t", 1)})
-    table.set_assignment(Assignment(1, "a", 0, {"s": {0: PartitionAssignment("a", ("b", "c"))}}))
     now = START
-    for node_id in NODE_IDS:
-        hosted = {"s": {ROLES[node_id]: (0,)}}
-        table.set_node(
-            node_id,
-            NodeInfo(node_id, f"http://{node_id}:1", 0),
-            Hosting(node_id, 1, hosted, now),  # type: ignore[dict-item]
-            {("s", 0): _report(node_id, 0, 0, 0, now)},
-        )
-    table.set_alive(set(NODE_IDS))
+    table = three_node_table(handler, now)
     last_due = now
     for new_reports, passing, alive, request, dues, limit in chain:
         now = max(now + passing, last_due)
-        for node_id, lag, caught_ago, ago in new_reports:
-            if lag == "shift":
-                _shift(table, node_id, caught_ago, now)
-                continue
-            table.set_node(
-                node_id,
-                table.nodes[node_id],
-                table.hostings[node_id],
-                {("s", 0): _report(node_id, lag, caught_ago, ago, now)},
-            )
-        table.set_alive(set(alive))
+        apply_step(table, new_reports, alive, now)
         with patch("proxy.handler.now_ms", lambda at=now: at):
             for _ in table.rebuild(now):
                 pass

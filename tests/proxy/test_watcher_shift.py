@@ -5,10 +5,6 @@ reads, times from the future, times going back)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from unittest.mock import patch
-
-import pytest
 import redis.asyncio as aioredis
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -30,6 +26,7 @@ from proxy.choice import LagBudget
 from proxy.routing import ChoiceStability, RoutingSnapshot
 from proxy.watcher import TableWatcher
 from tests.proxy.test_routing_shift import (
+    _judged_at_one_moment,  # noqa: F401 (a fixture: the shifts here are compared alike)
     assert_names_at_least_as_much,
     clocks_of,
     in_place_partitions,
@@ -38,16 +35,6 @@ from tests.proxy.test_routing_shift import (
 
 NODE_IDS = ("a", "b")
 PARTITIONS = 4
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _judged_at_one_moment() -> Iterator[None]:
-    """A rebuild also judges its rows a while ahead (`JUDGED_AHEAD_MS`: requests read the old
-    rows until its swap), a clock moved in place at once; the shift and the whole apply are
-    compared judged at the same moment (tests/proxy/test_choice_made_during_rebuild.py covers
-    the look-ahead)."""
-    with patch("proxy.routing.JUDGED_AHEAD_MS", 0):
-        yield
 
 
 NOW = 9_000_000
