@@ -239,10 +239,8 @@ class ChoiceStability:
         old rows until the new ones are swapped in): judged at `start_ms`, at `end_ms` and at
         every moment between where a replica's standing flips (a report goes stale, a time lag
         leaves the budget). Between two of those nothing a choice depends on moves."""
-        if not self.same(old, new, start_ms):
-            return False
-        flips = sorted(m for m in self._flips(old, new) if start_ms < m < end_ms)
-        return all(self.same(old, new, at) for at in flips) and self.same(old, new, end_ms)
+        flips = [m for m in self._flips(old, new) if start_ms < m < end_ms]
+        return all(self.same(old, new, at) for at in (start_ms, *flips, end_ms))
 
     def _flips(self, old: Row, new: Row) -> Iterator[int]:
         """The first moments the replicas' reports are stale or over the time budget."""

@@ -15,7 +15,6 @@ snapshot that replaced its rows named its partition changed."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from unittest.mock import patch
 
 from hypothesis import given, settings
@@ -41,96 +40,10 @@ from tests.proxy.test_review2_renew import (
     swap_in,
     three_node_table,
 )
+from tests.proxy.test_review_clock_midrebuild import STALE_MS, _drain
 
 NOW = 9_000_000
-STALE_MS = 3_000
 BUDGET = LagBudget(5, 60_000)
-STABILITY = ChoiceStability(BUDGET, "reject", STALE_MS)
-
-
-def _drain(rebuild: Iterator[int]) -> None:
-    for _ in rebuild:
-        pass
-
-
-def _one_partition_on_a(reported_at: int) -> TableBuilder:
-    table = TableBuilder(STABILITY)
-    table.set_stores({"s": StoreInfo("s", "t", 1)})
-    table.set_assignment(Assignment(1, "a", 0, {"s": {0: PartitionAssignment("a", ())}}))
-    table.set_alive({"a"})
-    _report_a(table, reported_at, position=100)
-    return table
-
-
-def _report_a(table: TableBuilder, reported_at: int, position: int) -> None:
-    """Caught up (lag 0, no caught-up time): only the report's age decides its standing."""
-    table.set_node(
-        "a",
-        NodeInfo("a", "http://10.0.0.1:8080", 0),
-        Hosting("a", 1, {"s": {"active": (0,), "standby": ()}}, reported_at),
-        {("s", 0): PartitionReport(position, position, None, None, reported_at)},
-    )
-
-
-def _choose(snapshot: RoutingSnapshot, at: int):  # type: ignore[no-untyped-def]
-    return choose_replicas(
-        snapshot.stores["s"].replicas[0], BUDGET, now_ms=at, stale_after_ms=STALE_MS
-    )
-
-
-def _named_changed(snapshot: RoutingSnapshot) -> bool:
-    return snapshot.changed is None or 0 in snapshot.changed.get("s", frozenset())
-
-
-def test_a_report_going_stale_soon_after_the_judgement_names_its_partition_changed():
-    """Fresh when the rebuild begins, stale 600 ms later while requests still read the old
-    rows: the choice cached then refuses the replica, which the new row serves."""
-    table = _one_partition_on_a(reported_at=NOW - STALE_MS + 500)
-    _drain(table.rebuild(NOW))
-    old = table.snapshot(NOW)
-    _report_a(table, reported_at=NOW, position=101)  # a newer report: the row is rebuilt
-    _drain(table.rebuild(NOW))
-    new = table.snapshot(NOW).as_swapped_at(NOW + 600)
-
-    cached = _choose(old, NOW + 600)  # a request before the swap
-    assert cached.candidates == ()
-    assert [r.reason for r in cached.rejected] == ["lag report too old"]
-    assert _named_changed(new) or _choose(new, NOW + 600) == cached, (
-        "the refusal cached from the old rows would be kept, renewed from rows that serve"
-    )
-
-
-def test_a_swap_later_than_the_judgement_covers_names_the_renewed_partitions_changed():
-    """The old report goes stale 1,500 ms after the rebuild began, past what it judged: a
-    swap within that keeps the renewal, a later one names the partition changed."""
-    table = _one_partition_on_a(reported_at=NOW - STALE_MS + JUDGED_AHEAD_MS + 500)
-    _drain(table.rebuild(NOW))
-    old = table.snapshot(NOW)
-    _report_a(table, reported_at=NOW, position=101)
-    _drain(table.rebuild(NOW))
-    built = table.snapshot(NOW)
-    assert built.renewed == {"s": frozenset({0})}, "both fresh over the judged moments: renewed"
-    assert built.renewed_until_ms == NOW + JUDGED_AHEAD_MS
-
-    in_time = built.as_swapped_at(NOW + JUDGED_AHEAD_MS)
-    assert in_time is built, "swapped in within the judged moments: renewals stand"
-
-    late = NOW + JUDGED_AHEAD_MS + 600
-    cached = _choose(old, late)  # a request before the late swap
-    assert cached.candidates == ()
-    swapped = built.as_swapped_at(late)
-    assert _named_changed(swapped) or _choose(swapped, late) == cached
-    assert swapped.renewed == {}
-
-
-def test_a_snapshot_that_renews_nothing_is_swapped_in_as_built_whenever():
-    table = _one_partition_on_a(reported_at=NOW)
-    _drain(table.rebuild(NOW))
-    table.snapshot(NOW)
-    _drain(table.rebuild(NOW))
-    built = table.snapshot(NOW)
-    assert built.renewed_until_ms is None
-    assert built.as_swapped_at(NOW + 3_600_000) is built
 
 
 def _table(budget: LagBudget, placed: PartitionAssignment) -> TableBuilder:
@@ -158,6 +71,74 @@ def _set_report(  # noqa: PLR0917 (one report, as the contract has it)
     )
 
 
+def _one_partition_on_a(reported_at: int) -> TableBuilder:
+    """Caught up (lag 0, no caught-up time): only the report's age decides its standing."""
+    table = _table(BUDGET, PartitionAssignment("a", ()))
+    _set_report(table, "a", "active", reported_at, 100)
+    return table
+
+
+def _choose(snapshot: RoutingSnapshot, at: int):  # type: ignore[no-untyped-def]
+    return choose_replicas(
+        snapshot.stores["s"].replicas[0], BUDGET, now_ms=at, stale_after_ms=STALE_MS
+    )
+
+
+def _named_changed(snapshot: RoutingSnapshot) -> bool:
+    return snapshot.changed is None or 0 in snapshot.changed.get("s", frozenset())
+
+
+def test_a_report_going_stale_soon_after_the_judgement_names_its_partition_changed():
+    """Fresh when the rebuild begins, stale 600 ms later while requests still read the old
+    rows: the choice cached then refuses the replica, which the new row serves."""
+    table = _one_partition_on_a(reported_at=NOW - STALE_MS + 500)
+    _drain(table.rebuild(NOW))
+    old = table.snapshot(NOW)
+    _set_report(table, "a", "active", NOW, 101)  # a newer report: the row is rebuilt
+    _drain(table.rebuild(NOW))
+    new = table.snapshot(NOW).as_swapped_at(NOW + 600)
+
+    cached = _choose(old, NOW + 600)  # a request before the swap
+    assert cached.candidates == ()
+    assert [r.reason for r in cached.rejected] == ["lag report too old"]
+    assert _named_changed(new) or _choose(new, NOW + 600) == cached, (
+        "the refusal cached from the old rows would be kept, renewed from rows that serve"
+    )
+
+
+def test_a_swap_later_than_the_judgement_covers_names_the_renewed_partitions_changed():
+    """The old report goes stale 1,500 ms after the rebuild began, past what it judged: a
+    swap within that keeps the renewal, a later one names the partition changed."""
+    table = _one_partition_on_a(reported_at=NOW - STALE_MS + JUDGED_AHEAD_MS + 500)
+    _drain(table.rebuild(NOW))
+    old = table.snapshot(NOW)
+    _set_report(table, "a", "active", NOW, 101)
+    _drain(table.rebuild(NOW))
+    built = table.snapshot(NOW)
+    assert built.renewed == {"s": frozenset({0})}, "both fresh over the judged moments: renewed"
+    assert built.renewed_until_ms == NOW + JUDGED_AHEAD_MS
+
+    in_time = built.as_swapped_at(NOW + JUDGED_AHEAD_MS)
+    assert in_time is built, "swapped in within the judged moments: renewals stand"
+
+    late = NOW + JUDGED_AHEAD_MS + 600
+    cached = _choose(old, late)  # a request before the late swap
+    assert cached.candidates == ()
+    swapped = built.as_swapped_at(late)
+    assert _named_changed(swapped) or _choose(swapped, late) == cached
+    assert swapped.renewed == {}
+
+
+def test_a_snapshot_that_renews_nothing_is_swapped_in_as_built_whenever():
+    table = _one_partition_on_a(reported_at=NOW)
+    _drain(table.rebuild(NOW))
+    table.snapshot(NOW)
+    _drain(table.rebuild(NOW))
+    built = table.snapshot(NOW)
+    assert built.renewed_until_ms is None
+    assert built.as_swapped_at(NOW + 3_600_000) is built
+
+
 def _seen(choice) -> tuple[list[str], list[str]]:  # type: ignore[no-untyped-def]
     return [r.node_id for r in choice.candidates], [r.node_id for r in choice.rejected]
 
@@ -179,16 +160,13 @@ def _kept_choice_holds(
     cached = choose_replicas(
         old.stores["s"].replicas[0], budget, now_ms=request_at, stale_after_ms=STALE_MS
     )
+    expires = choice_expires_at(
+        old.stores["s"].replicas[0], budget, now_ms=request_at, stale_after_ms=STALE_MS
+    )
     row = swapped.stores["s"].replicas[0]
     return all(
         _seen(choose_replicas(row, budget, now_ms=at, stale_after_ms=STALE_MS)) == _seen(cached)
-        for at in range(swap_at, min(swap_at + 2_000, _expiry(old, budget, request_at)), 50)
-    )
-
-
-def _expiry(old: RoutingSnapshot, budget: LagBudget, at: int) -> int:
-    return choice_expires_at(
-        old.stores["s"].replicas[0], budget, now_ms=at, stale_after_ms=STALE_MS
+        for at in range(swap_at, min(swap_at + 2_000, expires), 50)
     )
 
 
