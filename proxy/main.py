@@ -272,7 +272,7 @@ class Proxy:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, self._stop.set)
-        await self.watcher.refresh()  # serve from the first table if Redis is there already
+        await self.watcher.start()  # serve from the first table if Redis is there already
         self.pool.start()
         try:
             host, port = await self.listener.start(

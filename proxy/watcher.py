@@ -80,6 +80,7 @@ from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
 import structlog
+from redis.asyncio.client import PubSub
 
 from common.clock import CLOCK_TOLERANCE_MS, SHARED, SharedClock
 from common.contract import (
@@ -235,6 +236,9 @@ class _CollectorTimer:
 
 
 class TableWatcher:
+    # A subscription `start` made before its first read, for `_listen` to take over.
+    _subscribed: PubSub | None = None
+
     def __init__(
         self,
         redis: aioredis.Redis,
@@ -337,6 +341,21 @@ class TableWatcher:
         async with asyncio.TaskGroup() as group:
             for loop in (self._poll(), self._listen(), self._probe_loop(), self._log_stats()):
                 group.create_task(loop)
+
+    async def start(self) -> None:
+        """Subscribe to the events, then read everything (see `refresh`): the first table
+        with nothing lost between its read and `run`, which listens on this subscription.
+        Subscribed after the read, as `run` alone does, an event in between would go unseen
+        and `run` must read everything again: at 1,000 nodes a second read of ~2 s with no
+        sweep, in which the first read's reports grew old enough to be refused."""
+        pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+        try:
+            await pubsub.subscribe(self.keys.events)
+        except (aioredis.RedisError, OSError):
+            await _closed(pubsub)  # Redis is not there yet: `run` subscribes when it is
+        else:
+            self._subscribed = pubsub
+        await self.refresh()
 
     async def refresh(self) -> None:
         """Read everything now and swap the result in (or record why not)."""
@@ -1063,10 +1082,13 @@ class TableWatcher:
 
     async def _listen(self) -> None:
         while True:
-            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+            handed_over = self._subscribed is not None  # by `start`, which read after it
+            pubsub = self._subscribed or self.redis.pubsub(ignore_subscribe_messages=True)
+            self._subscribed = None
             try:
-                await pubsub.subscribe(self.keys.events)
-                self.refresh_soon()  # whatever happened while we were not subscribed
+                if not handed_over:
+                    await pubsub.subscribe(self.keys.events)
+                    self.refresh_soon()  # whatever happened while we were not subscribed
                 while True:
                     _raise_if_cancelled()
                     message = await pubsub.get_message(timeout=self.refresh_interval_s)
@@ -1078,8 +1100,7 @@ class TableWatcher:
                     raise  # a read timeout racing the cancellation must not outlive it
                 await asyncio.sleep(self.refresh_interval_s)
             finally:
-                with contextlib.suppress(aioredis.RedisError, OSError):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+                await _closed(pubsub)
 
     def _note(self, raw: Any) -> None:
         """An event: read the node it names, or the head (assignment, membership) soon."""
@@ -1130,6 +1151,11 @@ def _ahead_ms(body: NodeReport) -> int:
             if entry is not None and entry[1] is not None and -entry[1] > ahead:
                 ahead = -entry[1]
     return ahead
+
+
+async def _closed(pubsub: PubSub) -> None:
+    with contextlib.suppress(aioredis.RedisError, OSError):
+        await pubsub.aclose()  # type: ignore[no-untyped-call]
 
 
 def _raise_if_cancelled() -> None:

@@ -324,6 +324,44 @@ def test_a_report_reaches_the_table_within_a_second_without_a_full_read(redis_se
 
 
 @pytest.mark.integration
+def test_a_started_watcher_misses_no_event_before_it_runs_and_reads_everything_once(
+    redis_server,
+):
+    """`start` subscribes before its first read, so `run` need not read everything again (at
+    1,000 nodes ~2 s without a sweep, the first read's reports ageing meanwhile); an event
+    published between the two is still seen."""
+    keys = Keys(f"scale-{uuid.uuid4().hex[:8]}")
+    client = redis.Redis.from_url(redis_server.url)
+    at = int(time.time() * 1000)
+    publish(client, keys, 4, 8, at, compact=True)  # the sweep reads reports, not node info
+    moved = f"http://127.0.0.1:{30000 + uuid.uuid4().int % 1000}"
+
+    async def watch() -> tuple[str | None, int]:
+        connection = aioredis.Redis.from_url(redis_server.url)
+        watcher = TableWatcher(
+            connection, keys, refresh_interval_ms=1000, networks=None, clock=SharedClock()
+        )
+        await watcher.start()
+        client.set(keys.node("node-0001"), encode(NodeInfo("node-0001", moved, at)))
+        client.publish(keys.events, encode(Event("node", node_id="node-0001")))
+        running = asyncio.create_task(watcher.run())
+        try:
+            await asyncio.sleep(1.5)  # a full read run() asked for would have run by now
+            return watcher.snapshot.node_urls.get("node-0001"), watcher.stats.full_reads
+        finally:
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
+            await connection.aclose()
+
+    try:
+        url, full_reads = asyncio.run(watch())
+    finally:
+        client.close()
+    assert url == moved, "the event published before run() was lost"
+    assert full_reads == 1, "run() read everything again"
+
+
+@pytest.mark.integration
 def test_the_watcher_follows_sweeps_and_new_assignments_at_6000_partitions(redis_server):
     keys = Keys(f"scale-{uuid.uuid4().hex[:8]}")
     client = redis.Redis.from_url(redis_server.url)
