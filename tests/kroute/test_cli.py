@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import random
 import re
 import signal
 import socket
@@ -16,6 +15,7 @@ import httpx
 import pytest
 
 from kroute.cli import main
+from kroute.embedded import free_port
 from materializer.settings import NodeSettings
 from partitioner import partition
 from proxy.settings import ProxySettings
@@ -107,25 +107,6 @@ def _descendants(pid: int) -> set[int]:
     return found
 
 
-def _fixed_ports(count: int) -> list[int]:
-    """Free ports below the kernel's ephemeral range, for the proxy to bind minutes later. One
-    from free_port (in that range) was taken meanwhile in a CI run ("address already in use"):
-    the kernel hands ephemeral ports to every connect and bind to port 0 while the broker,
-    Redis and the Spark nodes start; it never hands out a port below the range."""
-    lowest = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    ports: list[int] = []
-    for port in random.sample(range(max(1024, lowest - 8192), lowest), 200):
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        ports.append(port)
-        if len(ports) == count:
-            return ports
-    raise AssertionError(f"no {count} free ports below {lowest}")
-
-
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -172,7 +153,7 @@ def test_run_refuses_a_taken_port_and_says_which_variable_to_set(tmp_path):
 def test_run_serves_demo_lookups_survives_a_node_kill_and_ctrl_c_stops_everything(tmp_path):
     """The README's run command with --failover, as a person would use it."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KROUTE_")}
-    proxy_port, admin_port = _fixed_ports(2)
+    proxy_port, admin_port = free_port(), free_port()  # below the ephemeral range
     env |= {"KROUTE_PROXY_PORT": str(proxy_port), "KROUTE_ADMIN_PORT": str(admin_port)}
     with subprocess.Popen(
         [sys.executable, "-m", "kroute", "run", "--failover"],

@@ -13,7 +13,7 @@ import pytest
 import redis
 from confluent_kafka.admin import AdminClient
 
-from kroute.embedded import LOOPBACK, EmbeddedServices
+from kroute.embedded import LOOPBACK, EmbeddedServices, free_port
 from kroute.errors import ServiceStartError
 
 pytestmark = pytest.mark.integration
@@ -105,3 +105,12 @@ def test_stop_also_ends_a_stopped_process(tmp_path):
         redis_server.process.signal(signal.SIGSTOP)
         pid = redis_server.process.pid
     assert wait_until_gone([pid]) == []
+
+
+def test_free_ports_come_from_below_the_ephemeral_range_and_are_not_repeated():
+    """A port in the kernel's ephemeral range can be taken, between the probe and the
+    service's bind, by any outgoing connection's source port; one below it cannot."""
+    ephemeral_start = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = [free_port() for _ in range(50)]
+    assert all(port < ephemeral_start for port in ports), ports
+    assert len(set(ports)) == len(ports), "a port handed out twice"
