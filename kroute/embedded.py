@@ -35,15 +35,18 @@ _PORT_ATTEMPTS = 3  # a free port can be taken between our probe and the service
 # Ports handed out for a service to bind later come from below the kernel's ephemeral range
 # (32768-60999 by default). A port from inside it, free when probed, can be taken before the
 # service binds it by any outgoing connection on the machine, whose source port the kernel
-# picks from that range: seen in a test run, a proxy's admin port taken in between.
+# picks from that range: seen in a test run, a proxy's admin port taken in between. Not from
+# 30000 up either: Kubernetes' NodePort range, which a host-network runner may redirect.
 _LOWEST_PORT = 20_000
+_HIGHEST_PORT = 29_999
 _PROBES = 200
 _handed_out: set[int] = set()  # not handed out twice by one process while others are left
 _choose = random.SystemRandom()
 
 
 def free_port(host: str = LOOPBACK) -> int:
-    below = range(_LOWEST_PORT, _ephemeral_start())
+    start = _ephemeral_start()
+    below = range(max(1024, min(_LOWEST_PORT, start - 8192)), min(start, _HIGHEST_PORT + 1))
     for _ in range(_PROBES if len(below) > _PROBES else 0):
         port = _choose.choice(below)
         if port not in _handed_out and _bindable(host, port):

@@ -348,14 +348,27 @@ class TableWatcher:
         Subscribed after the read, as `run` alone does, an event in between would go unseen
         and `run` must read everything again: at 1,000 nodes a second read of ~2 s with no
         sweep, in which the first read's reports grew old enough to be refused."""
-        pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
-        try:
-            await pubsub.subscribe(self.keys.events)
-        except (aioredis.RedisError, OSError):
-            await _closed(pubsub)  # Redis is not there yet: `run` subscribes when it is
-        else:
-            self._subscribed = pubsub
+        if self._subscribed is not None:  # started before, never run: that one goes
+            await _closed(self._subscribed)
+        self._subscribed = await self._confirmed_subscription()
         await self.refresh()
+
+    async def _confirmed_subscription(self) -> PubSub | None:
+        """A subscription to the events that Redis has confirmed, or None (Redis not there,
+        or no confirmation within the refresh interval: `run` subscribes when it can and
+        reads everything then). SUBSCRIBE alone only sends the command: the first read, on
+        another connection, could reach Redis before it and an event in between go unseen."""
+        pubsub = self.redis.pubsub()  # the confirmation is a message: not ignored
+        try:
+            async with asyncio.timeout(self.refresh_interval_s):
+                await pubsub.subscribe(self.keys.events)
+                while True:
+                    message = await pubsub.get_message(timeout=self.refresh_interval_s)
+                    if message is not None and message.get("type") == "subscribe":
+                        return pubsub
+        except (aioredis.RedisError, OSError, TimeoutError):
+            await _closed(pubsub)
+            return None
 
     async def refresh(self) -> None:
         """Read everything now and swap the result in (or record why not)."""

@@ -111,6 +111,8 @@ def test_free_ports_come_from_below_the_ephemeral_range_and_are_not_repeated():
     """A port in the kernel's ephemeral range can be taken, between the probe and the
     service's bind, by any outgoing connection's source port; one below it cannot."""
     ephemeral_start = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    if ephemeral_start < 2048:
+        pytest.skip(f"no room below an ephemeral range from {ephemeral_start}")
     ports = [free_port() for _ in range(50)]
-    assert all(port < ephemeral_start for port in ports), ports
+    assert all(1024 <= port < min(ephemeral_start, 30_000) for port in ports), ports
     assert len(set(ports)) == len(ports), "a port handed out twice"

@@ -362,6 +362,72 @@ def test_a_started_watcher_misses_no_event_before_it_runs_and_reads_everything_o
 
 
 @pytest.mark.integration
+def test_a_subscription_redis_has_not_confirmed_is_not_trusted_to_cover_the_first_read(
+    redis_server,
+):
+    """A relay holds SUBSCRIBE back until after the first read (as a resent segment would):
+    an event published before it reaches Redis is never delivered, so `start` must not hand
+    that subscription to `run` as one that covers its read; `run` reads everything instead."""
+    keys = Keys(f"scale-{uuid.uuid4().hex[:8]}")
+    client = redis.Redis.from_url(redis_server.url)
+    at = int(time.time() * 1000)
+    publish(client, keys, 4, 8, at, compact=True)
+    moved = f"http://127.0.0.1:{30000 + uuid.uuid4().int % 1000}"
+
+    async def watch() -> str | None:
+        release = asyncio.Event()
+
+        async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while data := await reader.read(65536):
+                if b"SUBSCRIBE" in data.upper():
+                    await release.wait()
+                writer.write(data)
+                await writer.drain()
+            writer.close()
+
+        async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            to_reader, to_writer = await asyncio.open_connection("127.0.0.1", redis_server.port)
+            writers.extend((writer, to_writer))
+            pending.append(asyncio.create_task(relay(to_reader, writer)))
+            pending.append(asyncio.create_task(relay(reader, to_writer)))
+
+        pending: list[asyncio.Task[None]] = []
+        writers: list[asyncio.StreamWriter] = []
+        server = await asyncio.start_server(accept, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        connection = aioredis.Redis.from_url(f"redis://127.0.0.1:{port}", socket_timeout=2)
+        watcher = TableWatcher(
+            connection, keys, refresh_interval_ms=500, networks=None, clock=SharedClock()
+        )
+        try:
+            await watcher.start()  # the first read done, SUBSCRIBE still held back
+            client.set(keys.node("node-0001"), encode(NodeInfo("node-0001", moved, at)))
+            client.publish(keys.events, encode(Event("node", node_id="node-0001")))
+            release.set()
+            running = asyncio.create_task(watcher.run())
+            await asyncio.sleep(1.5)
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
+            return watcher.snapshot.node_urls.get("node-0001")
+        finally:
+            await connection.aclose()
+            server.close()
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            for writer in writers:
+                writer.close()
+            await asyncio.gather(*(w.wait_closed() for w in writers), return_exceptions=True)
+            await server.wait_closed()
+
+    try:
+        url = asyncio.run(watch())
+    finally:
+        client.close()
+    assert url == moved, "an event published before the subscription reached Redis was lost"
+
+
+@pytest.mark.integration
 def test_the_watcher_follows_sweeps_and_new_assignments_at_6000_partitions(redis_server):
     keys = Keys(f"scale-{uuid.uuid4().hex[:8]}")
     client = redis.Redis.from_url(redis_server.url)
