@@ -562,6 +562,7 @@ class TableWatcher:
         async def reader() -> None:
             try:
                 while chunks:
+                    _raise_if_cancelled()  # a cancellation redis-py swallowed (see there)
                     await read(chunks.popleft())
             finally:
                 self._end_stretch()
@@ -573,6 +574,7 @@ class TableWatcher:
         try:
             await asyncio.gather(*readers)
         except BaseException:
+            chunks.clear()  # nothing left to take, for a reader that outlives its cancel
             for running in readers:
                 running.cancel()
             await asyncio.gather(*readers, return_exceptions=True)
