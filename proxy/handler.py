@@ -263,14 +263,23 @@ class RequestHandler:
             cache[partition] = _renewed(cached, replicas, partition, cap, terms)
 
     def _use_targets(self, node_urls: Mapping[str, str]) -> None:
-        targets = {}
+        """The nodes' targets and passthrough candidates, built again only for the nodes that
+        are new or whose URL changed: at 1,000 nodes building them all took 7-10 ms of the
+        loop on every node that joined, left or moved."""
+        old_targets, old_plain = self._targets, self._plain
+        targets: dict[str, Target] = {}
+        plain: dict[str, Candidate] = {}
         for node_id, url in node_urls.items():
+            target = old_targets.get(node_id)
+            if target is not None and target.url == url and node_id in old_plain:
+                targets[node_id], plain[node_id] = target, old_plain[node_id]
+                continue
             parts = urlsplit(url)
             assert parts.hostname is not None  # the watcher admits http://host:port only
             assert parts.port is not None
-            targets[node_id] = Target.build(node_id, url, parts.hostname, parts.port)
-        self._targets = targets
-        self._plain = {node_id: self._candidate(target) for node_id, target in targets.items()}
+            targets[node_id] = target = Target.build(node_id, url, parts.hostname, parts.port)
+            plain[node_id] = self._candidate(target)
+        self._targets, self._plain = targets, plain
 
     def forget_choices(self) -> None:
         for cache in self._choices.values():

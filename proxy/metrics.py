@@ -37,6 +37,8 @@ class ProxyMetrics:
     latency_counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS_S) + 1))
     latency_sum_s: float = 0.0
     choices: dict[tuple[str, int, str, str], Tally] = field(default_factory=dict)
+    # The keys of `choices` by node: forgetting a node drops its own, not a pass over all.
+    choice_keys: dict[str, list[tuple[str, int, str, str]]] = field(default_factory=dict)
     node_requests: dict[str, Tally] = field(default_factory=dict)
     node_failures: dict[tuple[str, str], int] = field(default_factory=dict)  # (node, kind)
     failovers: int = 0
@@ -65,6 +67,7 @@ class ProxyMetrics:
         tally = self.choices.get(key)
         if tally is None:
             tally = self.choices[key] = Tally()
+            self.choice_keys.setdefault(node, []).append(key)
         return tally
 
     def forget_nodes(self, registered: Collection[str]) -> None:
@@ -72,11 +75,18 @@ class ProxyMetrics:
         cluster forgets a departed node after its grace period): with node ids that change
         (pods), they would otherwise grow for as long as the proxy runs. A table change that
         changes the nodes' URLs calls this; a node that comes back counts from 0 again."""
-        keep = set(registered)
-        self.choices = {key: tally for key, tally in self.choices.items() if key[2] in keep}
-        self.node_requests = {n: tally for n, tally in self.node_requests.items() if n in keep}
-        self.node_failures = {k: count for k, count in self.node_failures.items() if k[0] in keep}
-        self.misdirected = {n: count for n, count in self.misdirected.items() if n in keep}
+        counted = {*self.choice_keys, *self.node_requests, *self.misdirected}
+        counted.update(node for node, _ in self.node_failures)
+        gone = counted.difference(registered)
+        if not gone:
+            return  # a node joined or moved: nothing to drop (at 1,000 nodes, a pass over
+            # every per-replica series took 5 ms of the loop)
+        for node in gone:
+            for key in self.choice_keys.pop(node, ()):
+                del self.choices[key]
+            self.node_requests.pop(node, None)
+            self.misdirected.pop(node, None)
+        self.node_failures = {k: n for k, n in self.node_failures.items() if k[0] not in gone}
 
     def node_tally(self, node: str) -> Tally:
         tally = self.node_requests.get(node)
