@@ -605,11 +605,13 @@ def debug_proxy(
     cluster: str,
     cpus: str | None,
     name: str = "proxy",
+    **settings: str,
 ) -> ProxyHandle:
-    """A proxy of `cluster` with debug logs (its watcher's stats lines, every 2 s)."""
+    """A proxy of `cluster` with debug logs (its watcher's stats lines, every 2 s); more
+    KROUTE_* `settings` as start_proxy takes them."""
     return start_proxy(
         services, redis_url, name=f"{name}-{cluster}", cluster=cluster, max_lag="1000",
-        max_lag_ms="60000", log_level="debug", timeout_s=120, cpus=cpus,
+        max_lag_ms="60000", log_level="debug", timeout_s=120, cpus=cpus, **settings,
     )  # fmt: skip
 
 

@@ -8,6 +8,10 @@ size's simulated cluster and of a SMALL_TABLE one running throughout, the same p
 (`--rate` requests/s, latency timed from when each request was due) goes, in rounds whose
 order rotates (so that each is measured under every phase of the machine's background), to:
 - `large`: a proxy of the size's cluster;
+- `large-process`: the same with its table built in a process of its own
+  (`KROUTE_TABLE_PROCESS`), which inherits the proxy's CPUs (it shares the request path's);
+- `large-aside`: the same with the table process on the other CPUs
+  (`KROUTE_TABLE_PROCESS_CPUS`: those of Redis and the writers, off the request path's);
 - `small` and `small-again`: a proxy of the small cluster, twice;
 - `direct`: straight to a backend (no proxy): the host's own floor.
 Each proxy is started for its turn (and stopped after it), on the request path's CPUs, and
@@ -33,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import os
 import statistics
 import sys
 import time
@@ -59,7 +64,11 @@ from kroute.embedded import EmbeddedServices
 from kroute.proxies import ProxyHandle
 
 DEFAULT_SIZES = "300/6000,1000/20000"
-PROXIES = ("large", "small", "small-again")
+PROXIES = ("large", "large-process", "large-aside", "small", "small-again")
+# Proxies whose table is built in a process of their own (KROUTE_TABLE_PROCESS), and of them
+# those whose table process runs off the request path's CPUs.
+TABLE_PROCESS = frozenset({"large-process", "large-aside"})
+ASIDE = frozenset({"large-aside"})
 DIRECT = "direct"  # straight to a backend, no proxy running: the host's floor
 TARGETS = (*PROXIES, DIRECT)
 
@@ -112,7 +121,12 @@ def one_turn(
     began and what the round measured. The caller reads the proxy's log, then stops it."""
     proxy = None
     if cluster is not None:
-        proxy = debug_proxy(services, redis_url, cluster, args.request_path_cpus, f"proxy-{name}")
+        settings = {"table_process": "true"} if name in TABLE_PROCESS else {}
+        if name in ASIDE:  # this process runs off the request path's CPUs (cluster_services)
+            settings["table_process_cpus"] = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+        proxy = debug_proxy(
+            services, redis_url, cluster, args.request_path_cpus, f"proxy-{name}", **settings
+        )
         url = proxy.url
         paced_round(url, args.warmup_seconds, args)
     started = time.time()
@@ -157,7 +171,13 @@ def measure_size(
         writers.append(start_writers(redis_url, large_cluster, size, 1, args.writers, backends))
         writers.append(start_writers(redis_url, small_cluster, SMALL_TABLE, 1, 1, backends))
         time.sleep(2)
-        clusters = {"large": large_cluster, "small": small_cluster, "small-again": small_cluster}
+        clusters = {
+            "large": large_cluster,
+            "large-process": large_cluster,
+            "large-aside": large_cluster,
+            "small": small_cluster,
+            "small-again": small_cluster,
+        }
         measured = {name: Measured() for name in TARGETS}
         for index in range(args.rounds):
             for name in rotated(index):
@@ -192,6 +212,12 @@ def compared(figures: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return {
         "proxies": figures,
         "p95_large_over_small": ratio("large", "p95_ms"),
+        "p95_large_process_over_small": ratio("large-process", "p95_ms"),
+        "p99_large_process_over_small": ratio("large-process", "p99_ms"),
+        "round_p99_median_large_process_over_small": ratio("large-process", "round_p99_median_ms"),
+        "p95_large_aside_over_small": ratio("large-aside", "p95_ms"),
+        "p99_large_aside_over_small": ratio("large-aside", "p99_ms"),
+        "round_p99_median_large_aside_over_small": ratio("large-aside", "round_p99_median_ms"),
         "p95_small_again_over_small": ratio("small-again", "p95_ms"),
         "p99_large_over_small": ratio("large", "p99_ms"),
         "p99_small_again_over_small": ratio("small-again", "p99_ms"),
@@ -207,7 +233,11 @@ def markdown(data: dict[str, Any]) -> str:
         "turns in rotating order on the same Redis and writers, each proxy started for its turn "
         f"and warmed up for {data['warmup_seconds']} s first. `large` "
         f"reads the size's cluster, `small` and `small-again` a {SMALL_TABLE[0]}-node / "
-        f"{SMALL_TABLE[1]}-partition one: large/small is what the table costs a request, "
+        f"{SMALL_TABLE[1]}-partition one, `large-process` the size's cluster with its table "
+        "built in a process of its own (KROUTE_TABLE_PROCESS) on the proxy's CPU, `large-aside` "
+        "the same with that process on the other CPU (KROUTE_TABLE_PROCESS_CPUS): large/small "
+        "is what the table "
+        "costs a request, "
         "small-again/small the noise floor of the same comparison, direct the host's own.",
         "",
         "| size | proxy | requests | failed | p50 ms | p95 ms | p99 ms (pooled) | median round "
@@ -227,6 +257,14 @@ def markdown(data: dict[str, Any]) -> str:
                 f"{f['p95_ms']} | {f['p99_ms']} | "
                 f"{f['round_p99_median_ms']} | {rounds} {loop}"
             )
+    rows += ["", "| size | proxy | p95 /small | p99 /small | median round p99 /small |",
+             "|---|---|---:|---:|---:|"]  # fmt: skip
+    rows += [
+        f"| {size} | {name} | {r[f'p95_{key}_over_small']} | {r[f'p99_{key}_over_small']} "
+        f"| {r[f'round_p99_median_{key}_over_small']} |"
+        for size, r in data["sizes"].items()
+        for name, key in (("large-process", "large_process"), ("large-aside", "large_aside"))
+    ]
     rows += ["", "| size | p95 large/small | p95 small-again/small | p99 large/small | "
              "p99 small-again/small | median round p99 large/small | median round p99 "
              "small-again/small |", "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip

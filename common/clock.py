@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Awaitable, Callable
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import structlog
 
@@ -45,6 +45,14 @@ class TimeSource(Protocol):
     """Anything with Redis's TIME command (redis.asyncio.Redis)."""
 
     def time(self) -> Awaitable[tuple[int, int]]: ...
+
+
+class ClockState(NamedTuple):
+    """A clock's sync, for another process on the same host (`SharedClock.state`)."""
+
+    base_ms: float | None
+    stepped_back_ms: int
+    horizon_ms: int | None
 
 
 class SharedClock:
@@ -110,6 +118,16 @@ class SharedClock:
         if self._horizon_ms is not None and stamp_ms <= self._horizon_ms:
             return stamp_ms - self._stepped_back_ms
         return stamp_ms
+
+    def state(self) -> ClockState:
+        """What another process on this host needs to read the same time (`follow`): the
+        monotonic clock is the host's, so the same base gives the same Redis time."""
+        return ClockState(self._base_ms, self._stepped_back_ms, self._horizon_ms)
+
+    def follow(self, state: ClockState) -> None:
+        """Read time as the clock `state` came from does (a process that syncs it to Redis
+        for this one: the proxy's table process)."""
+        self._base_ms, self._stepped_back_ms, self._horizon_ms = state
 
     # -- syncing --------------------------------------------------------------------------
 

@@ -44,6 +44,9 @@ UnknownLagPolicy = Literal["reject", "accept"]
 # A candidate's sort key: (position reached, in sync, role, lag, time lag, node id), 0 first.
 _Order = tuple[int, int, int, int, int, str]
 Role = Literal["active", "standby"]
+# A replica as made, less its clock: node id, url, role, alive, lag, caught up at, reported
+# at, position (`Replica.as_given`).
+GivenReplica = tuple[str, str, Role, bool, int | None, int | None, int | None, int | None]
 T = TypeVar("T")
 
 
@@ -144,6 +147,20 @@ class Replica:
     def caught_up_at_as_given_ms(self) -> int | None:
         """Caught up at, as given, before its clock (what a C candidate holds with it)."""
         return self._caught_up_at_ms
+
+    def as_given(self) -> GivenReplica:
+        """What it was made with, less its clock (its times as given): the same replica is
+        `Replica(*as_given(), clock=...)` on a clock that has moved as far as its own."""
+        return (
+            self.node_id,
+            self.url,
+            self.role,
+            self.alive,
+            self.lag,
+            self._caught_up_at_ms,
+            self._reported_at_ms,
+            self.position,
+        )
 
     @property
     def times(self) -> tuple[int | None, int | None]:

@@ -48,6 +48,7 @@ from proxy.routes import RouteTable
 from proxy.routing import RoutingSnapshot
 from proxy.settings import ProxySettings
 from proxy.status import cluster_status, node_counts, status_page
+from proxy.table_process import TableConfig, TableProcess
 from proxy.upstream import UpstreamPool
 from proxy.watcher import TableWatcher
 from proxy.workers import Supervisor, WorkerRole, die_with_supervisor, worker_role
@@ -109,12 +110,7 @@ class Proxy:
             probe_timeout_s=settings.connect_timeout_ms / 1000 + 0.5,
             health_path=settings.health_path,
         )
-        self.watcher = TableWatcher(
-            self.redis,
-            Keys(settings.cluster),
-            refresh_interval_ms=settings.refresh_interval_ms,
-            networks=settings.networks(),
-        )
+        self.watcher = _watcher(settings, self.redis)
         context = ExchangeContext(
             pool=self.pool,
             ejections=self.ejections,
@@ -341,6 +337,30 @@ class Proxy:
                     await self.redis.aclose()
             log.info("proxy stopped", unfinished_requests=unfinished)
         return EXIT_OK
+
+
+def _watcher(settings: ProxySettings, redis: aioredis.Redis) -> TableWatcher:
+    """The table's keeper: on this loop, or (KROUTE_TABLE_PROCESS) in a process of its own."""
+    keys = Keys(settings.cluster)
+    if not settings.table_process:
+        return TableWatcher(
+            redis,
+            keys,
+            refresh_interval_ms=settings.refresh_interval_ms,
+            networks=settings.networks(),
+        )
+    config = TableConfig(
+        redis_url=settings.redis_url.get_secret_value(),
+        redis_timeout_ms=settings.redis_timeout_ms,
+        redis_ca_file=str(settings.redis_ca_file) if settings.redis_ca_file else None,
+        cluster=settings.cluster,
+        refresh_interval_ms=settings.refresh_interval_ms,
+        networks=settings.networks(),
+        log_level=settings.log_level,
+        stall_report_ms=settings.stall_report_ms,
+        cpus=settings.table_cpus(),
+    )
+    return TableProcess(redis, keys, config=config)
 
 
 def _request_id_prefix(worker: WorkerRole | None) -> bytes:

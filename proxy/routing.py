@@ -110,7 +110,7 @@ def build_snapshot(
         placements = assignment.stores.get(name, {}) if assignment else {}
         routes[name] = StoreRoute(
             info=info,
-            partitioner=_partitioner(info),
+            partitioner=partitioner_of(info),
             replicas=tuple(
                 _replicas(
                     name,
@@ -133,7 +133,8 @@ def build_snapshot(
     )
 
 
-def _partitioner(info: StoreInfo) -> KeyPartitioner:
+def partitioner_of(info: StoreInfo) -> KeyPartitioner:
+    """A store's key partitioner (its keys' format, partitioner and partition count)."""
     return KeyPartitioner(
         info.key_format, info.partitioner, info.partitions, cache_size=PARTITION_CACHE
     )
@@ -632,6 +633,12 @@ class TableBuilder:
             for replica in (*old, *new):
                 order_rows.pop(replica.node_id, None)
 
+    @property
+    def clocks(self) -> Mapping[str, ReportClock]:
+        """Each node's current clock: the only ones that move (rows on an older clock of a
+        node are rebuilt on its new one before the next snapshot)."""
+        return self._clocks
+
     def report_fields(self, node_id: str) -> Mapping[Where, ReportFields]:
         """The node's reports with their times as they read now (through its clock)."""
         fields = self.reports.get(node_id, {})
@@ -722,7 +729,7 @@ class TableBuilder:
         """The store's partitioner, reused while its partitioning stays the same."""
         how = (info.key_format, info.partitioner, info.partitions)
         if how not in self._made:
-            self._made[how] = _partitioner(info)
+            self._made[how] = partitioner_of(info)
         return self._made[how]
 
     def _recompute(self, store: str, partition: int, now_ms: int = 0) -> None:

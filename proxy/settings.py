@@ -293,6 +293,18 @@ class ProxySettings(EnvSettings):
         description="Serve the common case in C (proxy/_hotpath.c); false sends every request "
         "through the Python path, which behaves the same, about half as fast.",
     )
+    table_process: bool = Field(
+        default=False,
+        description="Build the routing table in a process of its own (it reads Redis, decodes "
+        "and rebuilds; the proxy only applies what changed): for tables of thousands of "
+        "partitions, whose upkeep otherwise shares the event loop with requests.",
+    )
+    table_process_cpus: str | None = Field(
+        default=None,
+        description="With KROUTE_TABLE_PROCESS, the CPUs the table process runs on (a list such "
+        "as 0,2-3; unset: the proxy's own). Pinned beside a proxy on a core of its own, it "
+        "leaves that core to requests.",
+    )
     workers: int = Field(
         default_factory=available_cores,
         ge=1,
@@ -341,6 +353,13 @@ class ProxySettings(EnvSettings):
         parse_retry_statuses(value)
         return value
 
+    @field_validator("table_process_cpus")
+    @classmethod
+    def _table_process_cpus(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_cpus(value)
+        return value
+
     @field_validator("allowed_networks")
     @classmethod
     def _networks(cls, value: str | None) -> str | None:
@@ -362,6 +381,23 @@ class ProxySettings(EnvSettings):
 
     def networks(self) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] | None:
         return None if self.allowed_networks is None else parse_networks(self.allowed_networks)
+
+    def table_cpus(self) -> frozenset[int] | None:
+        return None if self.table_process_cpus is None else parse_cpus(self.table_process_cpus)
+
+
+def parse_cpus(text: str) -> frozenset[int]:
+    """A CPU list as taskset and cpusets write it: numbers and ranges, comma-separated."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.strip().partition("-")
+        if not first.isdigit() or (last and not last.isdigit()):
+            raise ValueError(f"not a CPU list (such as 0,2-3): {text!r}")
+        low, high = int(first), int(last or first)
+        if high < low:
+            raise ValueError(f"a CPU range must go up: {part.strip()!r}")
+        cpus.update(range(low, high + 1))
+    return frozenset(cpus)
 
 
 def parse_routes(text: str) -> tuple[RouteSpec, ...]:

@@ -238,6 +238,7 @@ class _CollectorTimer:
 class TableWatcher:
     # A subscription `start` made before its first read, for `_listen` to take over.
     _subscribed: PubSub | None = None
+    STATS_EVENT = "control plane"  # the debug line benchmarks read (see _log_stats)
 
     def __init__(
         self,
@@ -324,9 +325,14 @@ class TableWatcher:
         the new replicas. `renew_due(snapshot, most)`, called on every step of the loop
         until it says no more are due (yielding in between), renews those `renew` left for
         later whose turn has come."""
-        self._table.stability = stability
+        self.judge_with(stability)
         self._renew = renew
         self._renew_due = renew_due
+
+    def judge_with(self, stability: ChoiceStability) -> None:
+        """Name partitions whose choice stays `renewed`, not `changed` (see `keep_choices`),
+        with nothing renewed here: a process that builds the table for another."""
+        self._table.stability = stability
 
     def refresh_soon(self) -> None:
         """Something suggests the table is out of date (a node refused a request): read
@@ -1027,6 +1033,14 @@ class TableWatcher:
         finally:
             watchdog.disarm()
 
+    def stats_fields(self) -> dict[str, Any]:
+        """What the stats line says (counters since start, maxima since the last line)."""
+        return {
+            "nodes": len(self._node_ids),
+            "clocks_moved_in_place": self._table.clocks_moved_in_place,
+            **vars(self.stats),
+        }
+
     async def _log_stats(self) -> None:
         """Counters since start and maxima since the last line (then started again)."""
         timer = _CollectorTimer(self.stats)
@@ -1034,12 +1048,7 @@ class TableWatcher:
         try:
             while True:
                 await asyncio.sleep(STATS_LOG_S)
-                log.debug(
-                    "control plane",
-                    nodes=len(self._node_ids),
-                    clocks_moved_in_place=self._table.clocks_moved_in_place,
-                    **vars(self.stats),
-                )
+                log.debug(self.STATS_EVENT, **self.stats_fields())
                 stats = self.stats
                 stats.max_hold_ms = stats.max_swap_ms = stats.max_loop_lag_ms = 0.0
                 stats.max_loop_lag_busy_ms = stats.max_gc_ms = 0.0

@@ -108,12 +108,18 @@ def die_with_supervisor(role: WorkerRole) -> None:
     """SIGTERM this process when its parent dies (PR_SET_PDEATHSIG): a worker never outlives
     the parent that would restart it, so no orphan holds the port. Exits if the parent died
     before the request was made (the kernel would never send the signal then)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    if os.getppid() != role.supervisor_pid:
+    if not die_with_parent(role.supervisor_pid):
         log.error("the proxy's parent exited before this worker started", worker=role.index)
         sys.exit(EXIT_UNCLEAN)
+
+
+def die_with_parent(parent_pid: int, signum: int = signal.SIGTERM) -> bool:
+    """`signum` to this process when its parent dies (PR_SET_PDEATHSIG); False when the parent
+    (`parent_pid`) died before the request was made (the kernel would never send it then)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    return os.getppid() == parent_pid
 
 
 # -- parent side -------------------------------------------------------------------------------

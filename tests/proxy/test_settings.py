@@ -52,6 +52,10 @@ def test_missing_redis_url_is_named():
         ("KROUTE_WORKERS", "0", "greater than or equal to 1"),
         ("KROUTE_WORKERS", "257", "less than or equal to 256"),
         ("KROUTE_WORKERS", "two", "valid integer"),
+        ("KROUTE_TABLE_PROCESS_CPUS", "1;2", "not a CPU list"),
+        ("KROUTE_TABLE_PROCESS_CPUS", "", "not a CPU list"),
+        ("KROUTE_TABLE_PROCESS_CPUS", "0,-1", "not a CPU list"),
+        ("KROUTE_TABLE_PROCESS_CPUS", "3-1", "must go up"),
     ],
 )
 def test_each_bad_value_names_its_variable(variable, value, message):
@@ -110,3 +114,9 @@ def test_workers_default_to_the_cores_this_process_may_use():
     assert ProxySettings.from_env(BASE).workers == len(os.sched_getaffinity(0))
     assert ProxySettings.from_env({**BASE, "KROUTE_WORKERS": "1"}).workers == 1
     assert ProxySettings.from_env({**BASE, "KROUTE_WORKERS": "4"}).workers == 4
+
+
+def test_table_process_cpus_parse():
+    assert ProxySettings.from_env(BASE).table_cpus() is None
+    settings = ProxySettings.from_env({**BASE, "KROUTE_TABLE_PROCESS_CPUS": "0, 2-4,3"})
+    assert settings.table_cpus() == frozenset({0, 2, 3, 4})

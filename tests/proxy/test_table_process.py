@@ -1,0 +1,174 @@
+"""A real proxy whose table a process of its own builds (KROUTE_TABLE_PROCESS=true), before
+stand-in nodes published in real Redis: it routes by what Redis says, follows changes, keeps
+serving its last table while that process is gone and starts another, and never outlives the
+proxy (stopped, or killed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from common.contract import PartitionAssignment
+from kroute.embedded import EmbeddedServices
+from partitioner import partition, serialize_key
+from tests.proxy.conftest import PARTITIONS, PROXY_SETTINGS, StandIns, running_stand_ins
+from tests.proxy.echo_backend import EchoBackend
+
+pytestmark = pytest.mark.integration
+
+SETTINGS = PROXY_SETTINGS | {"table_process": "true", "refresh_interval_ms": "60000"}
+
+
+@pytest.fixture
+def stand_ins(embedded: EmbeddedServices) -> Iterator[StandIns]:
+    backends = {f"n{i}": EchoBackend(f"n{i}").start() for i in range(3)}
+    with running_stand_ins(embedded, embedded.start_redis(), backends, **SETTINGS) as running:
+        yield running
+
+
+def table_processes(proxy_pid: int) -> list[int]:
+    """The proxy's children running the table process (by their command line)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            command = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        if parent == proxy_pid and b"proxy.table_process" in command:
+            found.append(int(entry.name))
+    return found
+
+
+def wait_for(check, what: str, limit_s: float = 10.0):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + limit_s
+    while True:
+        value = check()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"never: {what}"
+        time.sleep(0.05)
+
+
+def owner(stand_ins: StandIns, key: str) -> str:
+    chosen = partition(serialize_key(key, "string"), PARTITIONS)
+    return stand_ins.cluster.placements["customers"][chosen].active
+
+
+def read(stand_ins: StandIns, key: str) -> str:
+    """The node that answered a keyed read, after checking the answer is this request's."""
+    request_id = uuid.uuid4().hex
+    answer = stand_ins.proxy.get(f"/stores/customers/keys/{key}?id={request_id}")
+    assert answer.status_code == 200, answer.text
+    echoed = json.loads(answer.text)
+    assert echoed["target"] == f"/stores/customers/keys/{key}?id={request_id}"
+    assert answer.headers["x-kroute-node"] == echoed["node"]
+    return str(echoed["node"])
+
+
+def move_active(stand_ins: StandIns, key: str) -> str:
+    """Give the key's partition another active (in Redis, announced); the new active."""
+    chosen = partition(serialize_key(key, "string"), PARTITIONS)
+    placed = stand_ins.cluster.placements["customers"][chosen]
+    moved_to = next(n for n in sorted(stand_ins.backends) if n not in placed.replicas())
+    stand_ins.cluster.placements["customers"][chosen] = PartitionAssignment(
+        moved_to, (placed.active,)
+    )
+    stand_ins.cluster.generation += 1
+    stand_ins.publish()
+    return moved_to
+
+
+def test_keyed_reads_go_where_redis_places_them(stand_ins):
+    assert table_processes(stand_ins.proxy.process.pid), "the table is built in a child"
+    for index in range(60):
+        key = f"customer-{index}"
+        assert read(stand_ins, key) == owner(stand_ins, key)
+
+
+def test_a_new_assignment_reaches_the_request_path(stand_ins):
+    key = "customer-7"
+    moved_to = move_active(stand_ins, key)
+    wait_for(lambda: read(stand_ins, key) == moved_to, "the proxy routes by the new active")
+
+
+def test_a_killed_table_process_is_replaced_and_the_last_table_serves_meanwhile(stand_ins):
+    proxy_pid = stand_ins.proxy.process.pid
+    (first,) = table_processes(proxy_pid)
+    os.kill(first, signal.SIGKILL)
+    # Served from the last table while no process builds one.
+    for index in range(20):
+        key = f"customer-{index}"
+        assert read(stand_ins, key) == owner(stand_ins, key)
+    (second,) = wait_for(
+        lambda: [p for p in table_processes(proxy_pid) if p != first], "another table process"
+    )
+    assert second != first
+    log = stand_ins.proxy.process.log_path.read_text()
+    assert "table process ended: routing on the last table" in log
+    # The new one reads Redis and its changes reach the request path.
+    key = "customer-11"
+    moved_to = move_active(stand_ins, key)
+    wait_for(lambda: read(stand_ins, key) == moved_to, "the new table process's table")
+    status = stand_ins.proxy.status()
+    assert status["proxy"]["table_loaded"] is True
+    wait_for(lambda: stand_ins.proxy.status()["proxy"]["degraded"] is False, "degraded cleared")
+
+
+def test_the_table_process_stops_with_the_proxy(stand_ins):
+    proxy = stand_ins.proxy.process
+    children = table_processes(proxy.pid)
+    assert children
+    proxy.stop()
+    wait_for(lambda: not any(_alive(p) for p in children), "the table process gone")
+
+
+def test_the_table_process_dies_with_a_killed_proxy(stand_ins):
+    proxy = stand_ins.proxy.process
+    children = table_processes(proxy.pid)
+    assert children
+    os.kill(proxy.pid, signal.SIGKILL)
+    wait_for(lambda: not any(_alive(p) for p in children), "the orphaned table process gone")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_a_stopped_table_process_is_replaced(stand_ins):
+    """A child that says nothing (SIGSTOP: alive, its socket open) is killed and replaced,
+    and the proxy says it is degraded meanwhile."""
+    proxy_pid = stand_ins.proxy.process.pid
+    (first,) = table_processes(proxy_pid)
+    os.kill(first, signal.SIGSTOP)
+    try:
+        wait_for(
+            lambda: stand_ins.proxy.status()["proxy"]["degraded"] is True,
+            "degraded while no table process answers",
+            limit_s=20,
+        )
+        wait_for(
+            lambda: [p for p in table_processes(proxy_pid) if p != first],
+            "another table process",
+            limit_s=10,
+        )
+        wait_for(lambda: not _alive(first), "the stopped one killed")
+        key = "customer-3"
+        assert read(stand_ins, key) == owner(stand_ins, key)
+    finally:
+        if _alive(first):
+            os.kill(first, signal.SIGKILL)
