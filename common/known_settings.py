@@ -111,6 +111,8 @@ SETTINGS_VARIABLES: frozenset[str] = frozenset(
         "KROUTE_STARTUP_TIMEOUT_S",
         "KROUTE_START_RETRY_MAX_S",
         "KROUTE_STORE",
+        "KROUTE_TABLE_PROCESS",
+        "KROUTE_TABLE_PROCESS_CPUS",
         "KROUTE_TASKS_PER_BATCH",
         "KROUTE_TOPIC",
         "KROUTE_TRANSFORM",

@@ -45,6 +45,7 @@ INVALID = {
     "cluster": "my cluster",
     "routes": "not json",
     "allowed_networks": "10.0.0.0/33",
+    "table_process_cpus": "0;1",
     "node_id": "a/b",
     "bootstrap_servers": "localhost",
     "topic": "bad topic",
