@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Awaitable, Callable
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 import structlog
 
@@ -47,12 +47,9 @@ class TimeSource(Protocol):
     def time(self) -> Awaitable[tuple[int, int]]: ...
 
 
-class ClockState(NamedTuple):
-    """A clock's sync, for another process on the same host (`SharedClock.state`)."""
-
-    base_ms: float | None
-    stepped_back_ms: int
-    horizon_ms: int | None
+# A TIME reply (seconds, microseconds), when it was asked for and when it arrived (`stopwatch`
+# readings: the host's monotonic clock, the same in every process on it).
+ClockSample = tuple[tuple[int, int], float, float]
 
 
 class SharedClock:
@@ -80,6 +77,9 @@ class SharedClock:
         self._horizon_ms: int | None = None  # stamps at or before this may predate one
         self.samples = 0
         self.dropped = 0
+        # Called with every sample taken (`observe`): the proxy's table process sends them to
+        # the proxy, whose own clock observes them.
+        self.taps: list[Callable[[tuple[int, int], float, float], None]] = []
         self.last_rtt_ms: float | None = None
 
     # -- reading --------------------------------------------------------------------------
@@ -119,16 +119,6 @@ class SharedClock:
             return stamp_ms - self._stepped_back_ms
         return stamp_ms
 
-    def state(self) -> ClockState:
-        """What another process on this host needs to read the same time (`follow`): the
-        monotonic clock is the host's, so the same base gives the same Redis time."""
-        return ClockState(self._base_ms, self._stepped_back_ms, self._horizon_ms)
-
-    def follow(self, state: ClockState) -> None:
-        """Read time as the clock `state` came from does (a process that syncs it to Redis
-        for this one: the proxy's table process)."""
-        self._base_ms, self._stepped_back_ms, self._horizon_ms = state
-
     # -- syncing --------------------------------------------------------------------------
 
     async def sync(self, redis: TimeSource) -> bool:
@@ -141,6 +131,8 @@ class SharedClock:
         """Take a TIME reply (seconds, microseconds) that was asked for at `sent_s` and
         arrived at `received_s` (both `stopwatch()` readings); whether it was used."""
         seconds, micros = int(reply[0]), int(reply[1])
+        for tap in self.taps:
+            tap((seconds, micros), sent_s, received_s)
         rtt_ms = max((received_s - sent_s) * 1000, 0.0)
         # Redis read its clock somewhere in the round trip: the midpoint is off by <= rtt/2.
         base = seconds * 1000 + micros / 1000 - (sent_s + received_s) / 2 * 1000

@@ -390,14 +390,19 @@ def parse_cpus(text: str) -> frozenset[int]:
     """A CPU list as taskset and cpusets write it: numbers and ranges, comma-separated."""
     cpus: set[int] = set()
     for part in text.split(","):
-        first, _, last = part.strip().partition("-")
-        if not first.isdigit() or (last and not last.isdigit()):
+        first, dash, last = part.strip().partition("-")
+        if not first.isdigit() or (dash and not last.isdigit()):
             raise ValueError(f"not a CPU list (such as 0,2-3): {text!r}")
         low, high = int(first), int(last or first)
         if high < low:
             raise ValueError(f"a CPU range must go up: {part.strip()!r}")
+        if high > MAX_CPU:
+            raise ValueError(f"CPU {high} is beyond any machine's (at most {MAX_CPU})")
         cpus.update(range(low, high + 1))
     return frozenset(cpus)
+
+
+MAX_CPU = 8191  # Linux's largest NR_CPUS
 
 
 def parse_routes(text: str) -> tuple[RouteSpec, ...]:

@@ -60,6 +60,7 @@ class SnapshotMessage:
     renewed_until_ms: int | None
     clocks: dict[int, int] = field(default_factory=dict)  # number -> shift, new or moved
     dropped: list[int] = field(default_factory=list)  # numbers no longer moved
+    placed: int = 0  # replicas in the rows (the builder's count)
 
 
 @dataclass

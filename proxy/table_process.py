@@ -37,12 +37,13 @@ import redis.asyncio as aioredis
 import structlog
 import uvloop
 
-from common.clock import SHARED, ClockState
+from common.clock import SHARED, ClockSample
 from common.contract import Keys
 from common.logging import configure_logging
-from proxy.routing import ChoiceStability
+from proxy.routing import ChoiceStability, RoutingSnapshot
 from proxy.table_feed import ClockMessage, FeedEncoder, FeedMirror, SnapshotMessage, dumps, loads
 from proxy.watcher import (
+    MIN_GAP_S,
     STEP_PAUSE_BUDGET_S,
     STRETCH_S,
     TICK_S,
@@ -58,13 +59,18 @@ log = structlog.get_logger("kroute.proxy.table_process")
 
 STATUS_S = 1.0  # a status at least this often, with or without a change
 RESTART_S = 1.0  # after the child exits, before the next one starts
+# A child that ends within YOUNG_S of its start doubles the wait for the next one, up to
+# MAX_RESTART_S (a setting it cannot use, a Redis it cannot parse: not a restart a second).
+YOUNG_S = 30.0
+MAX_RESTART_S = 30.0
 SILENT_S = 10.0  # a child that sent nothing for this long (after its first status) is replaced
 # The first status (the child's first full read done, or failed) within this, or the proxy
 # starts without a table (as when Redis is not there) and takes it when it comes.
-FIRST_STATUS_S = 60.0
+FIRST_STATUS_S = 30.0
 # A message this long (a whole table: a new child, a rebalance) is applied in a thread: at
-# 20,000 partitions it makes 40,000 replicas, tens of milliseconds of Python.
-THREAD_APPLY_BYTES = 256 * 1024
+# 20,000 partitions it makes 40,000 replicas, tens of milliseconds of Python (about 4 ms at
+# 256 KiB on the loop; the GIL is handed back every millisecond, see proxy.main).
+THREAD_APPLY_BYTES = 32 * 1024
 _LENGTH = struct.Struct(">I")
 # The read counters the child keeps (the proxy's own stats keep its loop's figures).
 READ_COUNTERS = (
@@ -93,6 +99,7 @@ class TableConfig:
     stall_report_ms: int | None
     cpus: frozenset[int] | None = None  # None: the proxy's
     stability: ChoiceStability | None = None
+    placed: int = 0  # replicas in the table the proxy serves (see _holding_last_table)
 
 
 @dataclass(frozen=True)
@@ -103,7 +110,7 @@ class TableStatus:
     last_refresh_ms: int | None
     refreshes: int
     refresh_failures: int
-    clock: ClockState
+    clock_samples: list[ClockSample]  # Redis TIME samples since the last status
     counters: dict[str, Any]
 
 
@@ -145,8 +152,16 @@ class TableProcess(TableWatcher):
         self._writer: asyncio.StreamWriter | None = None
         self._reader: asyncio.StreamReader | None = None
         self._child_fields: dict[str, Any] = {}
-        self._first_status = asyncio.Event()
         self._heard = False  # the current child has sent a status
+        self._started_s = 0.0  # when the current child was started
+        self._restart_s = RESTART_S  # the wait before the next one (see _feed)
+        # Counts from the children before the current one: a new child counts from 0, the
+        # proxy's figures (and the benchmarks' differences) never go back.
+        self._before: dict[str, int] = {}
+        self._last_counts: dict[str, int] = {}
+        self._placed_served = 0  # replicas in the table the proxy serves (a new child's floor)
+        self._renewing: asyncio.Task[None] | None = None
+        self._refresh_asked_s = 0.0
 
     def keep_choices(
         self, stability: ChoiceStability, renew: Renew, renew_due: RenewDue | None = None
@@ -156,22 +171,27 @@ class TableProcess(TableWatcher):
         self._renew, self._renew_due = renew, renew_due
 
     def refresh_soon(self) -> None:
-        writer = self._writer
-        if writer is not None and not writer.is_closing():
-            writer.write(b"R")
+        """Ask the child for a full read soon (a node refused a request): a byte, at most every
+        MIN_GAP_S (the child coalesces them anyway)."""
+        writer, now = self._writer, time.monotonic()
+        if writer is None or writer.is_closing() or now - self._refresh_asked_s < MIN_GAP_S:
+            return
+        self._refresh_asked_s = now
+        writer.write(b"R")
 
     async def refresh(self) -> None:
         self.refresh_soon()
 
     async def start(self) -> None:
         """Start the child and take what it sends until its first status (its first full
-        read, done or failed), for at most FIRST_STATUS_S."""
-        await self._spawn()
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(FIRST_STATUS_S):
-                while not self._first_status.is_set():
-                    if not await self._take():
-                        break
+        read, done or failed; FIRST_STATUS_S at most): a child that fails before is
+        replaced by `run`."""
+        if not await self._spawned():
+            return
+        while not self._heard:
+            if not await self._taken():
+                await self._replace()
+                return
 
     async def run(self) -> None:
         async with asyncio.TaskGroup() as group:
@@ -188,19 +208,32 @@ class TableProcess(TableWatcher):
     async def _feed(self) -> None:
         try:
             while True:
-                if self._reader is None and not await self._spawned():
-                    await asyncio.sleep(RESTART_S)
-                    continue
-                while await self._take():
+                if self._reader is None:
+                    await asyncio.sleep(self._restart_s)
+                    self.restarts += 1
+                    if not await self._spawned():
+                        continue
+                while await self._taken():
                     pass
-                code = await self._ended()
-                self.degraded = True
-                self.last_error = f"table process ended ({code}); starting another"
-                log.error("table process ended: routing on the last table", code=code)
-                await asyncio.sleep(RESTART_S)
-                self.restarts += 1
+                await self._replace()
         finally:
+            if self._renewing is not None:
+                self._renewing.cancel()
             self._kill()
+
+    async def _replace(self) -> None:
+        """The child is gone or of no use: route on the last table, degraded, until the next
+        one (after a wait that doubles, up to MAX_RESTART_S, while children die young)."""
+        code = await self._ended()
+        self.degraded = True
+        self.last_error = f"table process ended ({code}); starting another"
+        young = time.monotonic() - self._started_s < YOUNG_S
+        self._restart_s = min(self._restart_s * 2, MAX_RESTART_S) if young else RESTART_S
+        log.error(
+            "table process ended: routing on the last table",
+            code=code,
+            next_in_s=self._restart_s,
+        )
 
     async def _spawned(self) -> bool:
         try:
@@ -223,42 +256,53 @@ class TableProcess(TableWatcher):
                 str(os.getpid()),
                 pass_fds=(theirs.fileno(),),
             )
+        except BaseException:
+            ours.close()
+            raise
         finally:
             theirs.close()
         self._reader, self._writer = await asyncio.open_connection(sock=ours)
-        self._writer.write(frame(pickle.dumps(self.config)))
+        # A new child: what the proxy serves is its floor for `_holding_last_table`.
+        config = replace(self.config, placed=self._placed_served)
+        self._writer.write(frame(pickle.dumps(config)))
         self._mirror.restart()
         self._heard = False
+        self._started_s = time.monotonic()
+        for name, count in self._last_counts.items():  # the last child's, added up
+            self._before[name] = self._before.get(name, 0) + count
+        self._last_counts = {}
         log.info("table process started", pid=self.process.pid)
 
+    async def _taken(self) -> bool:
+        """Take one message; False when the child is gone, silent, or sent what cannot be
+        applied (a bug on one side: a new child sends everything again)."""
+        try:
+            return await self._take()
+        except Exception:
+            log.exception("a message from the table process could not be applied")
+            return False
+
     async def _take(self) -> bool:
-        """Read and apply one message; False when the child is gone."""
         assert self._reader is not None
-        # Once it has said something, the child says something every STATUS_S: silent for
-        # SILENT_S (stopped, or stuck), it is replaced, and the proxy says it is degraded.
-        limit = SILENT_S if self._heard else None
+        # The child says something every STATUS_S once it has read the table: silent for
+        # SILENT_S (stopped, or stuck) it is replaced; its first read may take longer.
+        limit = SILENT_S if self._heard else FIRST_STATUS_S
         try:
             async with asyncio.timeout(limit):
                 payload = await read_frame(self._reader)
         except (asyncio.IncompleteReadError, OSError):
             return False
         except TimeoutError:
-            log.error("table process silent: replacing it", silent_s=SILENT_S)
+            log.error("table process silent: replacing it", silent_s=limit)
             return False
-        try:
-            status, message = (
-                await asyncio.to_thread(loads, payload)
-                if len(payload) > THREAD_APPLY_BYTES
-                else loads(payload)
-            )
-        except Exception:  # a bug in one of the two sides: a new child sends everything
-            log.exception("unreadable message from the table process: restarting it")
-            return False
+        big = len(payload) > THREAD_APPLY_BYTES
+        status, message = await asyncio.to_thread(loads, payload) if big else loads(payload)
+        # The status first: its clock samples are in step before the rows are judged by it.
+        self._follow(status)
         if isinstance(message, SnapshotMessage):
-            await self._apply(message, big=len(payload) > THREAD_APPLY_BYTES)
+            await self._apply(message, big=big)
         elif isinstance(message, ClockMessage):
             self._mirror.move_clocks(message.clocks)
-        self._follow(status)
         return True
 
     async def _apply(self, message: SnapshotMessage, *, big: bool) -> None:
@@ -270,29 +314,54 @@ class TableProcess(TableWatcher):
             self._hold()
             snapshot = self._mirror.apply(message)
         self._swap(snapshot)
-        await self._yield()
-        await self._renew_choices(self.snapshot)
+        self._placed_served = message.placed
         self._end_stretch()
+        # Renewed in a task of its own: the messages behind this one (clocks moved in place)
+        # are applied meanwhile, not after the renewals' paced steps.
+        if self._renewing is not None:
+            self._renewing.cancel()  # (it stops at its next step anyway: a newer snapshot)
+        self._renewing = asyncio.create_task(self._renew_swapped(self.snapshot))
+
+    async def _renew_swapped(self, snapshot: RoutingSnapshot) -> None:
+        try:
+            await self._yield()
+            await self._renew_choices(snapshot)
+        except Exception:  # the request path's renewal: logged, never the feed's end
+            log.exception("renewing cached choices failed")
+        finally:
+            self._end_stretch()
 
     def _follow(self, status: TableStatus) -> None:
-        self.clock.follow(status.clock)
-        self.loaded, self.degraded = status.loaded, status.degraded
+        for sample in status.clock_samples:
+            self.clock.observe(*sample)
+        # A new child has read nothing yet: the table served stays loaded.
+        self.loaded = self.loaded or status.loaded
+        self.degraded = status.degraded or not status.loaded
         self.last_error, self.last_refresh_ms = status.last_error, status.last_refresh_ms
-        self.refreshes, self.refresh_failures = status.refreshes, status.refresh_failures
+        counts = {
+            "refreshes": status.refreshes,
+            "refresh_failures": status.refresh_failures,
+            **{name: status.counters.get(name, 0) for name in READ_COUNTERS},
+        }
+        self._last_counts = counts
+        totals = {name: self._before.get(name, 0) + n for name, n in counts.items()}
+        self.refreshes, self.refresh_failures = totals["refreshes"], totals["refresh_failures"]
         for name in READ_COUNTERS:
-            setattr(self.stats, name, status.counters.get(name, 0))
+            setattr(self.stats, name, totals[name])
         self._child_fields = {
             "nodes": status.counters.get("nodes", 0),
             "clocks_moved_in_place": status.counters.get("clocks_moved_in_place", 0),
         }
-        self._first_status.set()
         self._heard = True
 
     async def _renew_loop(self) -> None:
         while True:
             await asyncio.sleep(TICK_S)
             self._pause_left_s, self._stretch_limit_s = STEP_PAUSE_BUDGET_S, STRETCH_S
-            await self._renew_due_choices()
+            try:
+                await self._renew_due_choices()
+            except Exception:  # the request path's renewal: logged, the loop goes on
+                log.exception("renewing cached choices failed")
             self._end_stretch()
 
     async def _ended(self) -> int | None:
@@ -327,22 +396,32 @@ class TableProcess(TableWatcher):
 
 class FeedingWatcher(TableWatcher):
     """The table process's watcher: what it swaps in, and the clocks it moves, go to the
-    proxy as changes."""
+    proxy as changes; its clock's TIME samples go with each status, for the proxy's clock to
+    observe (the host's monotonic clock is the same in both processes)."""
 
     STATS_EVENT = "table process"
 
-    def __init__(self, *args: Any, send: Callable[[bytes], None], **options: Any) -> None:
+    def __init__(
+        self, *args: Any, send: Callable[[bytes], None], placed: int = 0, **options: Any
+    ) -> None:
         super().__init__(*args, **options)
         self._encoder = FeedEncoder()
         self._send = send
         self.on_snapshot = self._feed_snapshot
         self._last_status_s = 0.0
+        self._samples: list[ClockSample] = []
+        self.clock.taps.append(lambda *sample: self._samples.append(sample))
+        # The table the proxy serves (from an earlier table process): a smaller one read now
+        # is held back as the proxy's own would be (`_holding_last_table`).
+        self._placed = placed
+        self._served_before = placed > 0
 
     def status(self) -> TableStatus:
         stats: WatcherStats = self.stats
         counters = {name: getattr(stats, name) for name in READ_COUNTERS}
         counters["nodes"] = len(self._node_ids)
         counters["clocks_moved_in_place"] = self._table.clocks_moved_in_place
+        samples, self._samples = self._samples, []
         return TableStatus(
             loaded=self.loaded,
             degraded=self.degraded,
@@ -350,7 +429,7 @@ class FeedingWatcher(TableWatcher):
             last_refresh_ms=self.last_refresh_ms,
             refreshes=self.refreshes,
             refresh_failures=self.refresh_failures,
-            clock=self.clock.state(),
+            clock_samples=samples,
             counters=counters,
         )
 
@@ -360,12 +439,23 @@ class FeedingWatcher(TableWatcher):
 
     def _feed_snapshot(self, snapshot: Any) -> None:
         message = self._encoder.snapshot(snapshot, self._table.clocks.values())
-        self._last_status_s = time.monotonic()
-        self._send(frame(dumps((self.status(), message))))
+        message.placed = self._placed
+        self.send_status(message)  # type: ignore[arg-type]
+
+    async def _yield(self) -> None:
+        # Clocks moved in place reach the proxy before the watcher lets anything else run:
+        # they were judged for now (a little ahead), not for whenever the step ends.
+        self._flush_clocks()
+        await super()._yield()
 
     async def _step(self) -> None:
         await super()._step()
         self.flush()
+
+    def _flush_clocks(self) -> None:
+        moved = self._encoder.moved_clocks()
+        if moved:
+            self.send_status(ClockMessage(moved))
 
     def flush(self) -> None:
         """The clocks moved in place since the last message, and a status when due."""
@@ -399,6 +489,7 @@ async def serve(sock: socket.socket, config: TableConfig) -> int:
         networks=config.networks,
         clock=SHARED,
         send=writer.write,
+        placed=config.placed,
     )
     if config.stability is not None:
         watcher.judge_with(config.stability)  # the renewals are the proxy's
@@ -457,7 +548,7 @@ def main(argv: list[str]) -> int:
     if config.cpus is not None:
         try:
             os.sched_setaffinity(0, config.cpus)
-        except OSError as exc:  # a CPU this process may not use (a cgroup's cpuset)
+        except (OSError, ValueError, OverflowError) as exc:  # a CPU it may not use (a cpuset)
             log.error(
                 "cannot run the table process on the CPUs asked for: running on the proxy's",
                 cpus=sorted(config.cpus),

@@ -239,6 +239,9 @@ class TableWatcher:
     # A subscription `start` made before its first read, for `_listen` to take over.
     _subscribed: PubSub | None = None
     STATS_EVENT = "control plane"  # the debug line benchmarks read (see _log_stats)
+    # A table with `_placed` replicas is served already (by the process this one builds for),
+    # and a smaller one is held back even before this watcher's first (`_holding_last_table`).
+    _served_before = False
 
     def __init__(
         self,
@@ -930,7 +933,7 @@ class TableWatcher:
         `hold_smaller_table_ms` (a real shrink, such as a cluster down to one node that can
         no longer place standbys, is accepted after that).
         """
-        if not self.loaded or placed >= self._placed:
+        if not (self.loaded or self._served_before) or placed >= self._placed:
             self._smaller_since_ms = None
             return False
         at = self.clock.now_ms()

@@ -56,6 +56,9 @@ def test_missing_redis_url_is_named():
         ("KROUTE_TABLE_PROCESS_CPUS", "", "not a CPU list"),
         ("KROUTE_TABLE_PROCESS_CPUS", "0,-1", "not a CPU list"),
         ("KROUTE_TABLE_PROCESS_CPUS", "3-1", "must go up"),
+        ("KROUTE_TABLE_PROCESS_CPUS", "0-", "not a CPU list"),
+        ("KROUTE_TABLE_PROCESS_CPUS", "2147483647", "beyond any machine"),
+        ("KROUTE_TABLE_PROCESS_CPUS", "0-4000000000", "beyond any machine"),
     ],
 )
 def test_each_bad_value_names_its_variable(variable, value, message):

@@ -172,3 +172,68 @@ def test_a_stopped_table_process_is_replaced(stand_ins):
     finally:
         if _alive(first):
             os.kill(first, signal.SIGKILL)
+
+
+def test_answers_are_never_fresher_than_the_truth_with_a_clock_behind_redis(embedded):
+    """The proxy's clock observes the table process's Redis TIME samples before it swaps in
+    the rows they judge: on a host 5 s behind Redis, the time lag answers carry (the C path
+    included) is the reports' real age, not 5 s less."""
+    backends = {f"n{i}": EchoBackend(f"n{i}").start() for i in range(3)}
+    settings = SETTINGS | {"clock_skew_ms": "-5000"}
+    with running_stand_ins(embedded, embedded.start_redis(), backends, **settings) as running:
+        for _ in range(4):
+            answer = running.proxy.get("/stores/customers/keys/customer-1")
+            age_ms = int(time.time() * 1000) - running.published_at_ms
+            assert answer.status_code == 200, answer.text
+            lag_ms = int(answer.headers["x-kroute-time-lag-ms"])
+            assert lag_ms >= age_ms - 1_000, f"answered {lag_ms} ms behind, truly {age_ms}"
+            time.sleep(0.7)
+
+
+def test_a_table_process_replaced_while_redis_is_down_keeps_the_table_served(stand_ins):
+    """Redis goes away, then the table process: the proxy keeps serving its last table, stays
+    ready and loaded (a new table process that cannot read Redis has not unloaded it), says
+    it is degraded, and its counters do not go back."""
+    proxy_pid = stand_ins.proxy.process.pid
+    (first,) = table_processes(proxy_pid)
+    stand_ins.redis_server.process.stop()
+    wait_for(lambda: stand_ins.proxy.status()["proxy"]["degraded"] is True, "degraded")
+    failures_before = _metric(stand_ins, "kroute_proxy_table_refresh_failures_total")
+    os.kill(first, signal.SIGKILL)
+    wait_for(lambda: [p for p in table_processes(proxy_pid) if p != first], "another table process")
+    time.sleep(3)  # the new one has tried Redis and failed
+    assert stand_ins.proxy.is_ready()
+    proxy_status = stand_ins.proxy.status()["proxy"]
+    assert proxy_status["table_loaded"] is True
+    assert proxy_status["degraded"] is True
+    assert _metric(stand_ins, "kroute_proxy_table_refresh_failures_total") >= failures_before
+    for index in range(10):
+        key = f"customer-{index}"
+        assert read(stand_ins, key) == owner(stand_ins, key)
+
+
+def _metric(stand_ins: StandIns, name: str) -> float:
+    for line in stand_ins.proxy.admin("/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"no {name} in /metrics")
+
+
+def test_a_new_table_process_holds_a_smaller_table_back_as_the_proxy_would(stand_ins):
+    """Redis restarted empty (flushed), then a new table process: it reads less than the
+    proxy serves, and holds that back (for 10 s) as a watcher that had
+    served the table itself would; reads go on from the table served."""
+    proxy_pid = stand_ins.proxy.process.pid
+    (first,) = table_processes(proxy_pid)
+    stand_ins.redis.flushall()
+    os.kill(first, signal.SIGKILL)
+    wait_for(lambda: [p for p in table_processes(proxy_pid) if p != first], "another table process")
+    log_path = stand_ins.proxy.process.log_path
+    wait_for(
+        lambda: "redis describes less than the last table" in log_path.read_text(),
+        "the new table process holding the smaller table back",
+    )
+    for index in range(10):
+        key = f"customer-{index}"
+        assert read(stand_ins, key) == owner(stand_ins, key)
+    assert stand_ins.proxy.status()["proxy"]["degraded"] is True
