@@ -50,7 +50,7 @@ from proxy.settings import ProxySettings
 from proxy.status import cluster_status, node_counts, status_page
 from proxy.table_process import TableConfig, TableProcess
 from proxy.upstream import UpstreamPool
-from proxy.watcher import TableWatcher
+from proxy.watcher import TableWatcher, redis_client
 from proxy.workers import Supervisor, WorkerRole, die_with_supervisor, worker_role
 
 log = structlog.get_logger("kroute.proxy")
@@ -66,11 +66,10 @@ class Proxy:
         self.worker = worker
         self.metrics = ProxyMetrics()
         self._stop = asyncio.Event()
-        self.redis = aioredis.from_url(
+        self.redis = redis_client(
             settings.redis_url.get_secret_value(),
-            socket_timeout=settings.redis_timeout_ms / 1000,
-            socket_connect_timeout=settings.redis_timeout_ms / 1000,
-            **({"ssl_ca_certs": settings.redis_ca_file} if settings.redis_ca_file else {}),
+            settings.redis_timeout_ms,
+            str(settings.redis_ca_file) if settings.redis_ca_file else None,
         )
         # The C path serves the common case; with the access log on, every request takes the
         # Python path (which logs each one). Answers with a retry status have no status line

@@ -52,6 +52,7 @@ from proxy.watcher import (
     RenewDue,
     TableWatcher,
     WatcherStats,
+    redis_client,
 )
 from proxy.workers import die_with_parent
 
@@ -433,14 +434,14 @@ class FeedingWatcher(TableWatcher):
             counters=counters,
         )
 
-    def send_status(self, message: ClockMessage | None = None) -> None:
+    def send_status(self, message: ClockMessage | SnapshotMessage | None = None) -> None:
         self._last_status_s = time.monotonic()
         self._send(frame(dumps((self.status(), message))))
 
     def _feed_snapshot(self, snapshot: Any) -> None:
         message = self._encoder.snapshot(snapshot, self._table.clocks.values())
         message.placed = self._placed
-        self.send_status(message)  # type: ignore[arg-type]
+        self.send_status(message)
 
     async def _yield(self) -> None:
         # Clocks moved in place reach the proxy before the watcher lets anything else run:
@@ -476,12 +477,7 @@ class FeedingWatcher(TableWatcher):
 
 async def serve(sock: socket.socket, config: TableConfig) -> int:
     reader, writer = await asyncio.open_connection(sock=sock)
-    redis = aioredis.from_url(
-        config.redis_url,
-        socket_timeout=config.redis_timeout_ms / 1000,
-        socket_connect_timeout=config.redis_timeout_ms / 1000,
-        **({"ssl_ca_certs": config.redis_ca_file} if config.redis_ca_file else {}),
-    )
+    redis = redis_client(config.redis_url, config.redis_timeout_ms, config.redis_ca_file)
     watcher = FeedingWatcher(
         redis,
         Keys(config.cluster),

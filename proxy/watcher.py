@@ -181,6 +181,16 @@ Renew = Callable[[RoutingSnapshot, str, list[int]], None]
 RenewDue = Callable[[RoutingSnapshot, int], bool]
 
 
+def redis_client(url: str, timeout_ms: int, ca_file: str | None) -> aioredis.Redis:
+    """The table's Redis client, as the proxy and its table process both make it."""
+    return aioredis.from_url(
+        url,
+        socket_timeout=timeout_ms / 1000,
+        socket_connect_timeout=timeout_ms / 1000,
+        **({"ssl_ca_certs": ca_file} if ca_file else {}),
+    )
+
+
 @dataclass
 class WatcherStats:
     """What the control plane costs this proxy (read by benchmarks and logged at debug)."""
