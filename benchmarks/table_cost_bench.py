@@ -24,8 +24,9 @@ behind there (its reports go stale and every cached choice is dropped) and catch
 its turn. `large` against `small` is what the table costs a request; `small-again` against
 `small` is the noise floor of this very comparison (an A/A pair: the same table twice). Per
 target: the p50, p95 and p99 of its rounds' latencies pooled, each round's p99, and from the
-proxy's watcher's stats lines over its rounds the loop's longest stall and the table's longest
-hold.
+proxy's watcher's stats lines over its rounds the loop's longest stall (and of it, at most
+the proxy's own CPU time: the rest it waited for a core), the table's longest hold, the
+longest swap and the collector's longest pause.
 
 Results: benchmarks/results/table_cost.json and the `table_cost` section of RESULTS.md.
 
@@ -80,7 +81,10 @@ class Measured:
     latencies_ms: list[float] = field(default_factory=list)
     round_p99_ms: list[float] = field(default_factory=list)
     stall_max_ms: float = 0.0
+    stall_busy_max_ms: float = 0.0  # of a stall, the proxy's own CPU time (the rest: waiting)
     hold_max_ms: float = 0.0
+    swap_max_ms: float = 0.0
+    collector_max_ms: float = 0.0
     failed: int = 0
 
     def figures(self) -> dict[str, Any]:
@@ -94,7 +98,10 @@ class Measured:
             "round_p99_ms": self.round_p99_ms,
             "round_p99_median_ms": round(statistics.median(self.round_p99_ms), 1),
             "loop_stall_max_ms": self.stall_max_ms,
+            "loop_stall_busy_max_ms": self.stall_busy_max_ms,
             "table_hold_max_ms": self.hold_max_ms,
+            "swap_max_ms": self.swap_max_ms,
+            "collector_pause_max_ms": self.collector_max_ms,
         }
 
 
@@ -147,7 +154,12 @@ def record_round(
     measured.failed += sum(load["failed"].values())
     measured.round_p99_ms.append(percentile(latencies, 0.99) or 0.0)
     measured.stall_max_ms = max(measured.stall_max_ms, max_of(lines, "max_loop_lag_ms"))
+    measured.stall_busy_max_ms = max(
+        measured.stall_busy_max_ms, max_of(lines, "max_loop_lag_busy_ms")
+    )
     measured.hold_max_ms = max(measured.hold_max_ms, max_of(lines, "max_hold_ms"))
+    measured.swap_max_ms = max(measured.swap_max_ms, max_of(lines, "max_swap_ms"))
+    measured.collector_max_ms = max(measured.collector_max_ms, max_of(lines, "max_gc_ms"))
 
 
 def rotated(round_index: int) -> list[str]:
@@ -241,16 +253,18 @@ def markdown(data: dict[str, Any]) -> str:
         "small-again/small the noise floor of the same comparison, direct the host's own.",
         "",
         "| size | proxy | requests | failed | p50 ms | p95 ms | p99 ms (pooled) | median round "
-        "p99 ms | round p99s ms | longest loop stall ms | longest table hold ms |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|",
+        "p99 ms | round p99s ms | longest loop stall ms | its own CPU ms | longest table hold "
+        "ms | longest swap ms | longest collector pause ms |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     for size, result in data["sizes"].items():
         for name, f in result["proxies"].items():
             rounds = ", ".join(str(p) for p in f["round_p99_ms"])
             loop = (
-                "| no proxy | no proxy |"
+                "| no proxy | no proxy | no proxy | no proxy | no proxy |"
                 if name == DIRECT
-                else f"| {f['loop_stall_max_ms']} | {f['table_hold_max_ms']} |"
+                else f"| {f['loop_stall_max_ms']} | {f['loop_stall_busy_max_ms']} | "
+                f"{f['table_hold_max_ms']} | {f['swap_max_ms']} | {f['collector_pause_max_ms']} |"
             )
             rows.append(
                 f"| {size} | {name} | {f['requests']:,} | {f['failed']:,} | {f['p50_ms']} | "

@@ -12,10 +12,11 @@ loop applies them (`TableProcess`), in time that follows what changed.
 
 The child gets a socket pair of its own and its settings over it (the Redis URL's password
 is not put on a command line), dies with the proxy (PR_SET_PDEATHSIG, and the socket's end),
-and sends a status with every message and every `STATUS_S`: loaded, degraded, the last
-error, the refresh counts, its Redis-time clock (the proxy's clock follows it) and its read
-counters. `refresh_soon` is a byte to it. When it exits, the proxy routes on its last table,
-reports itself degraded and starts another after `RESTART_S`, which sends everything again.
+and sends its Redis TIME samples with every message (the proxy's clock observes them before
+the rows they judge), and a status every `STATUS_S`, with each snapshot and when its flags
+change: loaded, degraded, the last error, the refresh counts and its read counters.
+`refresh_soon` is a byte to it. When it exits, the proxy routes on its last table, reports
+itself degraded and starts another after `RESTART_S`, which sends everything again.
 """
 
 from __future__ import annotations
@@ -111,8 +112,21 @@ class TableStatus:
     last_refresh_ms: int | None
     refreshes: int
     refresh_failures: int
-    clock_samples: list[ClockSample]  # Redis TIME samples since the last status
     counters: dict[str, Any]
+
+    def flags(self) -> tuple[bool, bool, str | None]:
+        return self.loaded, self.degraded, self.last_error
+
+
+@dataclass(frozen=True)
+class Feed:
+    """One message from the table process: its Redis TIME samples since the last one (always:
+    the proxy's clock observes them before the rows they judge), a status when due, and the
+    table's change, if any."""
+
+    clock_samples: list[ClockSample]
+    status: TableStatus | None
+    change: ClockMessage | SnapshotMessage | None
 
 
 def frame(payload: bytes) -> bytes:
@@ -297,9 +311,13 @@ class TableProcess(TableWatcher):
             log.error("table process silent: replacing it", silent_s=limit)
             return False
         big = len(payload) > THREAD_APPLY_BYTES
-        status, message = await asyncio.to_thread(loads, payload) if big else loads(payload)
-        # The status first: its clock samples are in step before the rows are judged by it.
-        self._follow(status)
+        feed: Feed = await asyncio.to_thread(loads, payload) if big else loads(payload)
+        # The clock first: in step before the rows are judged by it.
+        for sample in feed.clock_samples:
+            self.clock.observe(*sample)
+        if feed.status is not None:
+            self._follow(feed.status)
+        message = feed.change
         if isinstance(message, SnapshotMessage):
             await self._apply(message, big=big)
         elif isinstance(message, ClockMessage):
@@ -333,8 +351,6 @@ class TableProcess(TableWatcher):
             self._end_stretch()
 
     def _follow(self, status: TableStatus) -> None:
-        for sample in status.clock_samples:
-            self.clock.observe(*sample)
         # A new child has read nothing yet: the table served stays loaded.
         self.loaded = self.loaded or status.loaded
         self.degraded = status.degraded or not status.loaded
@@ -397,7 +413,7 @@ class TableProcess(TableWatcher):
 
 class FeedingWatcher(TableWatcher):
     """The table process's watcher: what it swaps in, and the clocks it moves, go to the
-    proxy as changes; its clock's TIME samples go with each status, for the proxy's clock to
+    proxy as changes; its clock's TIME samples go with each message, for the proxy's clock to
     observe (the host's monotonic clock is the same in both processes)."""
 
     STATS_EVENT = "table process"
@@ -409,7 +425,8 @@ class FeedingWatcher(TableWatcher):
         self._encoder = FeedEncoder()
         self._send = send
         self.on_snapshot = self._feed_snapshot
-        self._last_status_s = 0.0
+        self._status_sent_s = 0.0
+        self._flags_sent: tuple[bool, bool, str | None] | None = None
         self._samples: list[ClockSample] = []
         self.clock.taps.append(lambda *sample: self._samples.append(sample))
         # The table the proxy serves (from an earlier table process): a smaller one read now
@@ -422,7 +439,6 @@ class FeedingWatcher(TableWatcher):
         counters = {name: getattr(stats, name) for name in READ_COUNTERS}
         counters["nodes"] = len(self._node_ids)
         counters["clocks_moved_in_place"] = self._table.clocks_moved_in_place
-        samples, self._samples = self._samples, []
         return TableStatus(
             loaded=self.loaded,
             degraded=self.degraded,
@@ -430,39 +446,49 @@ class FeedingWatcher(TableWatcher):
             last_refresh_ms=self.last_refresh_ms,
             refreshes=self.refreshes,
             refresh_failures=self.refresh_failures,
-            clock_samples=samples,
             counters=counters,
         )
 
-    def send_status(self, message: ClockMessage | SnapshotMessage | None = None) -> None:
-        self._last_status_s = time.monotonic()
-        self._send(frame(dumps((self.status(), message))))
+    def send(
+        self, change: ClockMessage | SnapshotMessage | None = None, *, status: bool = False
+    ) -> None:
+        """`change` with the clock samples taken since the last message, and a status when
+        asked for or wanted (`_status_wanted`)."""
+        current = self.status() if status or self._status_wanted() else None
+        if current is not None:
+            self._status_sent_s, self._flags_sent = time.monotonic(), current.flags()
+        samples, self._samples = self._samples, []
+        self._send(frame(dumps(Feed(samples, current, change))))
+
+    def _status_wanted(self) -> bool:
+        """Due (every STATUS_S), or its flags changed since the last one (a failed refresh
+        makes the proxy degraded now, not within a second)."""
+        return (
+            time.monotonic() - self._status_sent_s >= STATUS_S
+            or (self.loaded, self.degraded, self.last_error) != self._flags_sent
+        )
 
     def _feed_snapshot(self, snapshot: Any) -> None:
         message = self._encoder.snapshot(snapshot, self._table.clocks.values())
         message.placed = self._placed
-        self.send_status(message)
+        self.send(message, status=True)
 
     async def _yield(self) -> None:
         # Clocks moved in place reach the proxy before the watcher lets anything else run:
         # they were judged for now (a little ahead), not for whenever the step ends.
-        self._flush_clocks()
+        self.flush()
         await super()._yield()
 
     async def _step(self) -> None:
         await super()._step()
         self.flush()
 
-    def _flush_clocks(self) -> None:
-        moved = self._encoder.moved_clocks()
-        if moved:
-            self.send_status(ClockMessage(moved))
-
     def flush(self) -> None:
-        """The clocks moved in place since the last message, and a status when due."""
+        """The clocks moved in place since the last message; a message without them only
+        when a status is wanted."""
         moved = self._encoder.moved_clocks()
-        if moved or time.monotonic() - self._last_status_s >= STATUS_S:
-            self.send_status(ClockMessage(moved) if moved else None)
+        if moved or self._status_wanted():
+            self.send(ClockMessage(moved) if moved else None)
 
     async def run(self) -> None:
         async with asyncio.TaskGroup() as group:
@@ -492,7 +518,7 @@ async def serve(sock: socket.socket, config: TableConfig) -> int:
     watcher.freeze_heap = True
     watcher.stall_report_ms = config.stall_report_ms
     await watcher.start()
-    watcher.send_status()
+    watcher.send(status=True)
     running = asyncio.create_task(watcher.run())
     commands = asyncio.create_task(_take_commands(reader, watcher))
     try:
