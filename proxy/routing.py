@@ -480,6 +480,9 @@ class TableBuilder:
         # snapshot, nor while the caller holds a snapshot back (`withhold`).
         self._rows_served = False
         self.clocks_moved_in_place = 0  # confirmations that moved a clock and touched no row
+        # The clocks moved in place since `take_clocks_moved` (by node: at most one each), so a
+        # reader of the moves (the table process's feed) looks at those, not at every clock.
+        self._clocks_moved: dict[str, ReportClock] = {}
         self._everything = True
         self._node_urls: Mapping[str, str] = {}
         self._alive_frozen: frozenset[str] = frozenset()
@@ -565,6 +568,7 @@ class TableBuilder:
         if delta_ms > 0 and now_ms is not None and self._later_keeps_choices(node_id, now_ms):
             clock.shift_ms += delta_ms  # the served rows and cached choices read it at once
             self.clocks_moved_in_place += 1
+            self._clocks_moved[node_id] = clock
         else:
             self._clocks[node_id] = ReportClock(clock.shift_ms + delta_ms)
             self._shifted.add(node_id)
@@ -638,6 +642,11 @@ class TableBuilder:
         """Each node's current clock: the only ones that move (rows on an older clock of a
         node are rebuilt on its new one before the next snapshot)."""
         return self._clocks
+
+    def take_clocks_moved(self) -> list[ReportClock]:
+        """The clocks moved in place since the last call (each once)."""
+        moved, self._clocks_moved = self._clocks_moved, {}
+        return list(moved.values())
 
     def report_fields(self, node_id: str) -> Mapping[Where, ReportFields]:
         """The node's reports with their times as they read now (through its clock)."""

@@ -114,11 +114,16 @@ class FeedEncoder:
         message.dropped = self._drop_all_but(current)
         return message
 
-    def moved_clocks(self) -> dict[int, int]:
-        """Clocks whose shift differs from what the mirror has (new ones included)."""
+    def moved_clocks(self, among: Iterable[ReportClock] | None = None) -> dict[int, int]:
+        """Clocks whose shift differs from what the mirror has (new ones included): of those
+        `among` (the builder's `take_clocks_moved`, between snapshots), or of all."""
         moved = {}
-        sent = self._sent_shifts
-        for clock, number in self._numbers.values():
+        sent, numbers = self._sent_shifts, self._numbers
+        if among is None:
+            candidates: Iterable[tuple[ReportClock, int]] = numbers.values()
+        else:  # a clock not numbered yet has no row sent: the next snapshot numbers it
+            candidates = (known for clock in among if (known := numbers.get(id(clock))))
+        for clock, number in candidates:
             shift = clock.shift_ms
             if sent.get(number) != shift:
                 moved[number] = sent[number] = shift

@@ -469,6 +469,7 @@ class FeedingWatcher(TableWatcher):
         )
 
     def _feed_snapshot(self, snapshot: Any) -> None:
+        self._table.take_clocks_moved()  # the snapshot's message looks at every clock
         message = self._encoder.snapshot(snapshot, self._table.clocks.values())
         message.placed = self._placed
         self.send(message, status=True)
@@ -486,7 +487,7 @@ class FeedingWatcher(TableWatcher):
     def flush(self) -> None:
         """The clocks moved in place since the last message; a message without them only
         when a status is wanted."""
-        moved = self._encoder.moved_clocks()
+        moved = self._encoder.moved_clocks(self._table.take_clocks_moved())
         if moved or self._status_wanted():
             self.send(ClockMessage(moved) if moved else None)
 

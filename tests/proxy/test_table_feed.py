@@ -35,14 +35,16 @@ class Fed:
         for _ in table.rebuild(now):
             pass
         snapshot = table.snapshot(now)
+        table.take_clocks_moved()  # as the table process does: the snapshot looks at all
         message = loads(dumps(self.encoder.snapshot(snapshot, table.clocks.values())))
         self.served = snapshot
         self.messages += 1
         return snapshot, self.mirror.apply(message)
 
     def flush(self) -> None:
-        """What the table process sends after a step: the clocks moved in place."""
-        moved = loads(dumps(ClockMessage(self.encoder.moved_clocks())))
+        """What the table process sends after a step: the clocks the builder moved in place."""
+        moved_clocks = self.encoder.moved_clocks(self.table.take_clocks_moved())
+        moved = loads(dumps(ClockMessage(moved_clocks)))
         self.mirror.move_clocks(moved.clocks)
 
 
@@ -120,8 +122,9 @@ def test_a_clock_moved_in_place_moves_the_mirrors_rows_without_a_row_sent():
     rows_before = fed.mirror.snapshot.stores["s"].replicas
     fed.pair.apply(("shift", "a", 700), NOW + 700)
     assert fed.pair.in_place == {"a"}, "the premise: the builder moved a's clock in place"
-    moved = fed.encoder.moved_clocks()
+    moved = fed.encoder.moved_clocks(fed.table.take_clocks_moved())
     assert len(moved) == 1, "one clock moved: one number sent"
+    assert fed.table.take_clocks_moved() == [], "each move is taken once"
     fed.mirror.move_clocks(moved)
     after = fed.mirror.snapshot.stores["s"].replicas
     assert after is rows_before
