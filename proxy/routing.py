@@ -480,9 +480,12 @@ class TableBuilder:
         # snapshot, nor while the caller holds a snapshot back (`withhold`).
         self._rows_served = False
         self.clocks_moved_in_place = 0  # confirmations that moved a clock and touched no row
-        # The clocks moved in place since `take_clocks_moved` (by node: at most one each), so a
-        # reader of the moves (the table process's feed) looks at those, not at every clock.
-        self._clocks_moved: dict[str, ReportClock] = {}
+        # With `recording_moves` (a reader of the moves: the table process's feed), the clocks
+        # moved in place since `take_clocks_moved`, so it looks at those, not at every clock.
+        # By clock, not by node: a node's clock moved, then replaced by a new one that moves
+        # too, has two moves to send.
+        self.recording_moves = False
+        self._clocks_moved: dict[int, ReportClock] = {}
         self._everything = True
         self._node_urls: Mapping[str, str] = {}
         self._alive_frozen: frozenset[str] = frozenset()
@@ -568,7 +571,8 @@ class TableBuilder:
         if delta_ms > 0 and now_ms is not None and self._later_keeps_choices(node_id, now_ms):
             clock.shift_ms += delta_ms  # the served rows and cached choices read it at once
             self.clocks_moved_in_place += 1
-            self._clocks_moved[node_id] = clock
+            if self.recording_moves:
+                self._clocks_moved[id(clock)] = clock  # (held here: its id is not reused)
         else:
             self._clocks[node_id] = ReportClock(clock.shift_ms + delta_ms)
             self._shifted.add(node_id)

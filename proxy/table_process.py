@@ -423,6 +423,7 @@ class FeedingWatcher(TableWatcher):
     ) -> None:
         super().__init__(*args, **options)
         self._encoder = FeedEncoder()
+        self._table.recording_moves = True
         self._send = send
         self.on_snapshot = self._feed_snapshot
         self._status_sent_s = 0.0
@@ -461,8 +462,12 @@ class FeedingWatcher(TableWatcher):
         self._send(frame(dumps(Feed(samples, current, change))))
 
     def _status_wanted(self) -> bool:
-        """Due (every STATUS_S), or its flags changed since the last one (a failed refresh
-        makes the proxy degraded now, not within a second)."""
+        """Due (every STATUS_S), or its flags changed since the last one (a failed read makes
+        the proxy degraded now, not within a second). Not before the first, which goes with
+        the first table, or says the first read failed (`serve`): the proxy starts serving
+        once it has heard a status."""
+        if self._flags_sent is None:
+            return False
         return (
             time.monotonic() - self._status_sent_s >= STATUS_S
             or (self.loaded, self.degraded, self.last_error) != self._flags_sent
@@ -480,9 +485,12 @@ class FeedingWatcher(TableWatcher):
         self.flush()
         await super()._yield()
 
-    async def _step(self) -> None:
-        await super()._step()
-        self.flush()
+    async def _guarded(self, read: Callable[[], Any]) -> None:
+        # After each step, also one that failed (its flags changed after it raised).
+        try:
+            await super()._guarded(read)
+        finally:
+            self.flush()
 
     def flush(self) -> None:
         """The clocks moved in place since the last message; a message without them only

@@ -25,6 +25,7 @@ class Fed:
     def __init__(self) -> None:
         self.pair = Pair()
         self.table: TableBuilder = self.pair.fast
+        self.table.recording_moves = True  # as the table process's builder does
         self.encoder = FeedEncoder()
         self.mirror = FeedMirror()
         self.served: RoutingSnapshot | None = None  # the builder's last snapshot
@@ -131,6 +132,30 @@ def test_a_clock_moved_in_place_moves_the_mirrors_rows_without_a_row_sent():
     assert {row[0].reported_at_ms for row in after} == {NOW + 700}
     assert {row[1].reported_at_ms for row in after} == {NOW}, "b's clock did not move"
     _served_now(fed)
+
+
+def test_a_clock_moved_then_replaced_by_a_new_one_that_moves_sends_both_moves(monkeypatch):
+    # Judged for now, not a second ahead: a's clock moves in place at once.
+    monkeypatch.setattr("proxy.routing.JUDGED_AHEAD_MS", 0)
+    fed = _steady()
+    first = fed.table.clocks["a"]
+    fed.pair.apply(("shift", "a", 700), NOW + 700)
+    assert fed.table.clocks["a"] is first, "the premise: moved in place"
+    fed.pair.apply(("shift", "a", -100), NOW + 700)  # back in time: a new clock
+    second = fed.table.clocks["a"]
+    fed.pair.apply(("shift", "a", 200), NOW + 800)
+    assert second is not first, "the premise: a new clock"
+    assert fed.table.clocks["a"] is second, "the premise: moved in place too"
+    fed.flush()
+    _served_now(fed)  # the served rows are on the first clock, moved: so are the mirror's
+
+
+def test_a_builder_no_one_reads_the_moves_of_records_none():
+    fed = _steady()
+    fed.table.recording_moves = False  # the proxy's own watcher (no table process)
+    fed.pair.apply(("shift", "a", 700), NOW + 700)
+    assert fed.pair.in_place == {"a"}, "the premise: moved in place"
+    assert fed.table.take_clocks_moved() == []
 
 
 def test_only_the_rows_that_changed_are_sent():

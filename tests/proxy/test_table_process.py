@@ -5,6 +5,7 @@ proxy (stopped, or killed)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -14,10 +15,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis.asyncio as aioredis
 
-from common.contract import PartitionAssignment
+from common.contract import Keys, PartitionAssignment
 from kroute.embedded import EmbeddedServices
 from partitioner import partition, serialize_key
+from proxy.table_feed import SnapshotMessage, loads
+from proxy.table_process import Feed, FeedingWatcher
+from proxy.watcher import redis_client
 from tests.proxy.conftest import PARTITIONS, PROXY_SETTINGS, StandIns, running_stand_ins
 from tests.proxy.echo_backend import EchoBackend
 
@@ -237,3 +242,53 @@ def test_a_new_table_process_holds_a_smaller_table_back_as_the_proxy_would(stand
         key = f"customer-{index}"
         assert read(stand_ins, key) == owner(stand_ins, key)
     assert stand_ins.proxy.status()["proxy"]["degraded"] is True
+
+
+def _frames_of_a_first_read(redis_url: str, keys: Keys) -> list[Feed]:
+    """What a table process sends during its first full read (`FeedingWatcher.start`)."""
+    frames: list[bytes] = []
+
+    async def first_read() -> None:
+        redis = redis_client(redis_url, 1_000, None)
+        watcher = FeedingWatcher(
+            redis, keys, refresh_interval_ms=60_000, networks=None, send=frames.append
+        )
+        try:
+            await watcher.start()
+        finally:
+            await redis.aclose()
+
+    asyncio.run(first_read())
+    return [loads(frame[4:]) for frame in frames]
+
+
+def test_a_table_process_says_nothing_of_itself_before_its_first_table(stand_ins):
+    """The proxy starts serving once it has heard a status: the first one comes with the
+    first table, not from a yield in the middle of the first read (the proxy would serve an
+    empty table meanwhile)."""
+    feeds = _frames_of_a_first_read(stand_ins.redis_server.url, stand_ins.cluster.keys)
+    first = next(feed for feed in feeds if feed.status is not None)
+    assert first.status is not None
+    assert first.status.loaded
+    assert isinstance(first.change, SnapshotMessage)
+
+
+def test_a_failed_read_reaches_the_proxy_at_once():
+    """A read that fails changes the flags after its step raised: the status goes at once,
+    not with the next status due a second later."""
+    frames: list[bytes] = []
+    redis = redis_client("redis://127.0.0.1:1", 100, None)
+    watcher = FeedingWatcher(
+        redis, Keys("t"), refresh_interval_ms=60_000, networks=None, send=frames.append
+    )
+    watcher.send(status=True)  # the first status (serve's, after the first read)
+
+    async def failing() -> None:
+        raise aioredis.ConnectionError("gone")
+
+    asyncio.run(watcher._guarded(failing))
+    last: Feed = loads(frames[-1][4:])
+    assert len(frames) == 2
+    assert last.status is not None
+    assert last.status.degraded
+    assert last.status.last_error == "gone"
