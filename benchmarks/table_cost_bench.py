@@ -105,6 +105,16 @@ class Measured:
         }
 
 
+# The `Measured` maxima kept over a proxy's rounds, and the watcher's stats field each is of.
+WATCHER_MAXIMA = {
+    "stall_max_ms": "max_loop_lag_ms",
+    "stall_busy_max_ms": "max_loop_lag_busy_ms",
+    "hold_max_ms": "max_hold_ms",
+    "swap_max_ms": "max_swap_ms",
+    "collector_max_ms": "max_gc_ms",
+}
+
+
 def paced_round(url: str, seconds: float, args: argparse.Namespace) -> dict[str, Any]:
     """One round of the paced load to `url`, from a spawned process of its own."""
     with multiprocessing.get_context("spawn").Pool(1) as pool:
@@ -153,13 +163,8 @@ def record_round(
     measured.latencies_ms.extend(latencies)
     measured.failed += sum(load["failed"].values())
     measured.round_p99_ms.append(percentile(latencies, 0.99) or 0.0)
-    measured.stall_max_ms = max(measured.stall_max_ms, max_of(lines, "max_loop_lag_ms"))
-    measured.stall_busy_max_ms = max(
-        measured.stall_busy_max_ms, max_of(lines, "max_loop_lag_busy_ms")
-    )
-    measured.hold_max_ms = max(measured.hold_max_ms, max_of(lines, "max_hold_ms"))
-    measured.swap_max_ms = max(measured.swap_max_ms, max_of(lines, "max_swap_ms"))
-    measured.collector_max_ms = max(measured.collector_max_ms, max_of(lines, "max_gc_ms"))
+    for kept, logged in WATCHER_MAXIMA.items():
+        setattr(measured, kept, max(getattr(measured, kept), max_of(lines, logged)))
 
 
 def rotated(round_index: int) -> list[str]:

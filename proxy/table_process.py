@@ -114,9 +114,6 @@ class TableStatus:
     refresh_failures: int
     counters: dict[str, Any]
 
-    def flags(self) -> tuple[bool, bool, str | None]:
-        return self.loaded, self.degraded, self.last_error
-
 
 @dataclass(frozen=True)
 class Feed:
@@ -457,7 +454,7 @@ class FeedingWatcher(TableWatcher):
         asked for or wanted (`_status_wanted`)."""
         current = self.status() if status or self._status_wanted() else None
         if current is not None:
-            self._status_sent_s, self._flags_sent = time.monotonic(), current.flags()
+            self._status_sent_s, self._flags_sent = time.monotonic(), self._flags()
         samples, self._samples = self._samples, []
         self._send(frame(dumps(Feed(samples, current, change))))
 
@@ -469,9 +466,12 @@ class FeedingWatcher(TableWatcher):
         if self._flags_sent is None:
             return False
         return (
-            time.monotonic() - self._status_sent_s >= STATUS_S
-            or (self.loaded, self.degraded, self.last_error) != self._flags_sent
+            time.monotonic() - self._status_sent_s >= STATUS_S or self._flags() != self._flags_sent
         )
+
+    def _flags(self) -> tuple[bool, bool, str | None]:
+        """What the proxy says of its health from a status (loaded, degraded, last error)."""
+        return self.loaded, self.degraded, self.last_error
 
     def _feed_snapshot(self, snapshot: Any) -> None:
         self._table.take_clocks_moved()  # the snapshot's message looks at every clock
