@@ -139,6 +139,7 @@ def one_turn(
     proxy = None
     if cluster is not None:
         settings = {"table_process": "true"} if name in TABLE_PROCESS else {}
+        settings["workers"] = str(args.workers)
         if name in ASIDE:  # this process runs off the request path's CPUs (cluster_services)
             settings["table_process_cpus"] = ",".join(map(str, sorted(os.sched_getaffinity(0))))
         proxy = debug_proxy(
@@ -252,7 +253,9 @@ def markdown(data: dict[str, Any]) -> str:
         f"reads the size's cluster, `small` and `small-again` a {SMALL_TABLE[0]}-node / "
         f"{SMALL_TABLE[1]}-partition one, `large-process` the size's cluster with its table "
         "built in a process of its own (KROUTE_TABLE_PROCESS) on the proxy's CPU, `large-aside` "
-        "the same with that process on the other CPU (KROUTE_TABLE_PROCESS_CPUS): large/small "
+        "the same with that process on the other CPU (KROUTE_TABLE_PROCESS_CPUS), each proxy "
+        f"with {data.get('workers', 1)} worker(s) (KROUTE_WORKERS; with more than one, the "
+        "table process is one for all of them, run by the supervisor): large/small "
         "is what the table "
         "costs a request, "
         "small-again/small the noise floor of the same comparison, direct the host's own.",
@@ -311,6 +314,13 @@ def main() -> int:
         help="a round before each proxy's measured one, not counted",
     )
     parser.add_argument("--writers", type=int, default=2, help="writer processes per size")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="KROUTE_WORKERS of every proxy; above 1 the table process is the one the "
+        "supervisor runs for all its workers, and the results go to table_cost_workers",
+    )
     add_request_path_cpus(parser)
     args = parser.parse_args()
     sizes: dict[str, Any] = {}
@@ -332,11 +342,13 @@ def main() -> int:
         "round_seconds": args.round_seconds,
         "warmup_seconds": args.warmup_seconds,
         "rate": args.rate,
+        "workers": args.workers,
         "small_table": f"{SMALL_TABLE[0]}/{SMALL_TABLE[1]}",
         "sizes": sizes,
     }
-    write_json("table_cost", data)
-    write_section("table_cost", markdown(data))
+    results = "table_cost" if args.workers == 1 else "table_cost_workers"
+    write_json(results, data)
+    write_section(results, markdown(data))
     print(markdown(data))
     return 0
 

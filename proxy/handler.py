@@ -23,6 +23,7 @@ import heapq
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import structlog
@@ -68,6 +69,9 @@ from proxy.routing import (
     StoreRoute,
 )
 
+if TYPE_CHECKING:
+    from proxy.settings import ProxySettings
+
 log = structlog.get_logger("kroute.proxy.handler")
 
 MAX_LAG_HEADER = b"x-kroute-max-lag"
@@ -85,6 +89,24 @@ class ChoicePolicy:
     stale_after_ms: int
     spread: bool
     standby_reads: bool = True
+
+    @property
+    def stability(self) -> ChoiceStability:
+        """What tells a change of a partition's replicas that leaves its choice alone (the
+        watcher's, or the table process's, judge)."""
+        return ChoiceStability(
+            self.budget, self.unknown_lag, self.stale_after_ms, self.standby_reads
+        )
+
+
+def choice_policy(settings: ProxySettings) -> ChoicePolicy:
+    return ChoicePolicy(
+        budget=LagBudget(settings.max_lag, settings.max_lag_ms),
+        unknown_lag=settings.unknown_lag,
+        stale_after_ms=settings.lag_report_stale_ms,
+        spread=settings.spread,
+        standby_reads=settings.standby_reads,
+    )
 
 
 class RequestHandler:
@@ -105,12 +127,7 @@ class RequestHandler:
         self.snapshot: RoutingSnapshot = EMPTY
         # What the watcher asks to leave a cached choice in place when a partition's replicas
         # change (a new report every 250 ms) without changing its choice under this policy.
-        self.choice_stability = ChoiceStability(
-            policy.budget,
-            policy.unknown_lag,
-            policy.stale_after_ms,
-            policy.standby_reads,
-        )
+        self.choice_stability = policy.stability
         self._targets: dict[str, Target] = {}
         self._plain: dict[str, Candidate] = {}  # node -> candidate for passthrough requests
         # store -> per partition: the cached choice (Cached) or None; shared with the hub

@@ -28,10 +28,9 @@ from common.logging import configure_logging
 from common.settings import SettingsError, help_text, redacted_url
 from proxy._hotpath import Hub
 from proxy.admin import AdminApp, AdminViews, admin_server
-from proxy.choice import LagBudget
 from proxy.exchange import Exchange, ExchangeContext
 from proxy.exposition import encoded
-from proxy.handler import BUDGET_HEADERS, ChoicePolicy, RequestHandler
+from proxy.handler import BUDGET_HEADERS, RequestHandler, choice_policy
 from proxy.health import Ejections
 from proxy.http import BODY_HEADERS, DROP_FROM_REQUEST, DROP_FROM_RESPONSE, status_lines
 from proxy.lag_metrics import replica_gauge_lines
@@ -48,7 +47,12 @@ from proxy.routes import RouteTable
 from proxy.routing import RoutingSnapshot
 from proxy.settings import ProxySettings
 from proxy.status import cluster_status, node_counts, status_page
-from proxy.table_process import TableConfig, TableProcess
+from proxy.table_process import (
+    REFRESH_FAILURES_HELP,
+    SharedTableProcess,
+    TableConfig,
+    TableProcess,
+)
 from proxy.upstream import UpstreamPool
 from proxy.watcher import TableWatcher, redis_client
 from proxy.workers import Supervisor, WorkerRole, die_with_supervisor, worker_role
@@ -109,7 +113,7 @@ class Proxy:
             probe_timeout_s=settings.connect_timeout_ms / 1000 + 0.5,
             health_path=settings.health_path,
         )
-        self.watcher = _watcher(settings, self.redis)
+        self.watcher = _watcher(settings, self.redis, worker)
         context = ExchangeContext(
             pool=self.pool,
             ejections=self.ejections,
@@ -137,13 +141,7 @@ class Proxy:
         )
         self.handler = RequestHandler(
             routes=RouteTable(settings.route_specs()),
-            policy=ChoicePolicy(
-                budget=LagBudget(settings.max_lag, settings.max_lag_ms),
-                unknown_lag=settings.unknown_lag,
-                stale_after_ms=settings.lag_report_stale_ms,
-                spread=settings.spread,
-                standby_reads=settings.standby_reads,
-            ),
+            policy=choice_policy(settings),
             context=context,
             metrics=self.metrics,
             hub=self.hub,
@@ -196,16 +194,20 @@ class Proxy:
         }
 
     def _counts(self) -> dict[str, tuple[str, float]]:
-        return {
-            "table_refresh_failures": (
-                "Routing table refreshes from Redis that failed",
-                self.watcher.refresh_failures,
-            ),
+        counts: dict[str, tuple[str, float]] = {
             "upstream_connections_opened": (
                 "Connections opened to nodes",
                 self.pool.opened,
             ),
         }
+        # A table process shared by the workers: its failures are counted once, by the
+        # supervisor, not once per worker.
+        if not isinstance(self.watcher, SharedTableProcess):
+            counts["table_refresh_failures"] = (
+                REFRESH_FAILURES_HELP,
+                self.watcher.refresh_failures,
+            )
+        return counts
 
     async def _metrics_view(self) -> list[bytes]:
         """The request path's metrics, rendered on the loop (they read state only the loop
@@ -338,8 +340,11 @@ class Proxy:
         return EXIT_OK
 
 
-def _watcher(settings: ProxySettings, redis: aioredis.Redis) -> TableWatcher:
-    """The table's keeper: on this loop, or (KROUTE_TABLE_PROCESS) in a process of its own."""
+def _watcher(
+    settings: ProxySettings, redis: aioredis.Redis, worker: WorkerRole | None
+) -> TableWatcher:
+    """The table's keeper: on this loop, or (KROUTE_TABLE_PROCESS) in a process of its own,
+    which the supervisor runs for every worker when there are several."""
     keys = Keys(settings.cluster)
     if not settings.table_process:
         return TableWatcher(
@@ -348,7 +353,15 @@ def _watcher(settings: ProxySettings, redis: aioredis.Redis) -> TableWatcher:
             refresh_interval_ms=settings.refresh_interval_ms,
             networks=settings.networks(),
         )
-    config = TableConfig(
+    config = table_config(settings)
+    if worker is not None and worker.table_socket is not None:
+        return SharedTableProcess(redis, keys, config=config, path=worker.table_socket)
+    return TableProcess(redis, keys, config=config)
+
+
+def table_config(settings: ProxySettings) -> TableConfig:
+    """What the table process needs of the settings."""
+    return TableConfig(
         redis_url=settings.redis_url.get_secret_value(),
         redis_timeout_ms=settings.redis_timeout_ms,
         redis_ca_file=str(settings.redis_ca_file) if settings.redis_ca_file else None,
@@ -358,8 +371,8 @@ def _watcher(settings: ProxySettings, redis: aioredis.Redis) -> TableWatcher:
         log_level=settings.log_level,
         stall_report_ms=settings.stall_report_ms,
         cpus=settings.table_cpus(),
+        stability=choice_policy(settings).stability,
     )
-    return TableProcess(redis, keys, config=config)
 
 
 def _request_id_prefix(worker: WorkerRole | None) -> bytes:
@@ -424,7 +437,8 @@ def main(argv: list[str] | None = None) -> int:
 
     async def run() -> int:  # built inside the loop: collaborators bind to the running loop
         if worker is None and settings.workers > 1:
-            return await Supervisor(settings).run()
+            shared = table_config(settings) if settings.table_process else None
+            return await Supervisor(settings, shared).run()
         # Work handed to a thread (rendering the lag gauges, decoding a new assignment) runs
         # Python while the loop waits for the GIL: hand it back every millisecond, not every
         # 5 ms (CPython's default), so such work stalls requests by at most about that.

@@ -297,7 +297,8 @@ class ProxySettings(EnvSettings):
         default=False,
         description="Build the routing table in a process of its own (it reads Redis, decodes "
         "and rebuilds; the proxy only applies what changed): for tables of thousands of "
-        "partitions, whose upkeep otherwise shares the event loop with requests.",
+        "partitions, whose upkeep otherwise shares the event loop with requests. With "
+        "KROUTE_WORKERS above 1, one such process (run by the supervisor) serves every worker.",
     )
     table_process_cpus: str | None = Field(
         default=None,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import pickle
 import signal
@@ -31,7 +32,8 @@ import struct
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -41,6 +43,7 @@ import uvloop
 from common.clock import SHARED, ClockSample
 from common.contract import Keys
 from common.logging import configure_logging
+from proxy.lifetime import die_with_parent
 from proxy.routing import ChoiceStability, RoutingSnapshot
 from proxy.table_feed import ClockMessage, FeedEncoder, FeedMirror, SnapshotMessage, dumps, loads
 from proxy.watcher import (
@@ -55,7 +58,6 @@ from proxy.watcher import (
     WatcherStats,
     redis_client,
 )
-from proxy.workers import die_with_parent
 
 log = structlog.get_logger("kroute.proxy.table_process")
 
@@ -74,6 +76,7 @@ FIRST_STATUS_S = 30.0
 # 256 KiB on the loop; the GIL is handed back every millisecond, see proxy.main).
 THREAD_APPLY_BYTES = 32 * 1024
 _LENGTH = struct.Struct(">I")
+REFRESH_FAILURES_HELP = "Routing table refreshes from Redis that failed"
 # The read counters the child keeps (the proxy's own stats keep its loop's figures).
 READ_COUNTERS = (
     "head_reads",
@@ -113,6 +116,8 @@ class TableStatus:
     refreshes: int
     refresh_failures: int
     counters: dict[str, Any]
+    pid: int = 0  # the table process's: its counts start from 0 (see TableProcess._follow)
+    placed: int = 0  # replicas in the table it serves (a new process's floor, see TableKeeper)
 
 
 @dataclass(frozen=True)
@@ -141,6 +146,9 @@ async def read_frame(reader: asyncio.StreamReader) -> bytes:
 class TableProcess(TableWatcher):
     """A `TableWatcher` whose table a child process builds: the same snapshots, swaps,
     renewals, stats and flags, with only the applying of changes on this loop."""
+
+    ENDED = "table process ended"
+    SILENT = "table process silent"
 
     def __init__(
         self,
@@ -171,6 +179,7 @@ class TableProcess(TableWatcher):
         # proxy's figures (and the benchmarks' differences) never go back.
         self._before: dict[str, int] = {}
         self._last_counts: dict[str, int] = {}
+        self._child_pid: int | None = None  # the process the last status came from
         self._placed_served = 0  # replicas in the table the proxy serves (a new child's floor)
         self._renewing: asyncio.Task[None] | None = None
         self._refresh_asked_s = 0.0
@@ -238,14 +247,17 @@ class TableProcess(TableWatcher):
         one (after a wait that doubles, up to MAX_RESTART_S, while children die young)."""
         code = await self._ended()
         self.degraded = True
-        self.last_error = f"table process ended ({code}); starting another"
+        self.last_error = self._lost(code)
         young = time.monotonic() - self._started_s < YOUNG_S
         self._restart_s = min(self._restart_s * 2, MAX_RESTART_S) if young else RESTART_S
         log.error(
-            "table process ended: routing on the last table",
+            f"{self.ENDED}: routing on the last table",
             code=code,
             next_in_s=self._restart_s,
         )
+
+    def _lost(self, code: int | None) -> str:
+        return f"table process ended ({code}); starting another"
 
     async def _spawned(self) -> bool:
         try:
@@ -277,13 +289,14 @@ class TableProcess(TableWatcher):
         # A new child: what the proxy serves is its floor for `_holding_last_table`.
         config = replace(self.config, placed=self._placed_served)
         self._writer.write(frame(pickle.dumps(config)))
+        self._connected()
+        log.info("table process started", pid=self.process.pid)
+
+    def _connected(self) -> None:
+        """A new line to a table process: it sends the whole table first."""
         self._mirror.restart()
         self._heard = False
         self._started_s = time.monotonic()
-        for name, count in self._last_counts.items():  # the last child's, added up
-            self._before[name] = self._before.get(name, 0) + count
-        self._last_counts = {}
-        log.info("table process started", pid=self.process.pid)
 
     async def _taken(self) -> bool:
         """Take one message; False when the child is gone, silent, or sent what cannot be
@@ -302,10 +315,10 @@ class TableProcess(TableWatcher):
         try:
             async with asyncio.timeout(limit):
                 payload = await read_frame(self._reader)
-        except (asyncio.IncompleteReadError, OSError):
+        except TimeoutError:  # (before OSError: it is one)
+            log.error(f"{self.SILENT}: replacing it", silent_s=limit)
             return False
-        except TimeoutError:
-            log.error("table process silent: replacing it", silent_s=limit)
+        except (asyncio.IncompleteReadError, OSError):
             return False
         big = len(payload) > THREAD_APPLY_BYTES
         feed: Feed = await asyncio.to_thread(loads, payload) if big else loads(payload)
@@ -357,6 +370,10 @@ class TableProcess(TableWatcher):
             "refresh_failures": status.refresh_failures,
             **{name: status.counters.get(name, 0) for name in READ_COUNTERS},
         }
+        if status.pid != self._child_pid:  # another process, counting from 0: add the last's
+            for name, count in self._last_counts.items():
+                self._before[name] = self._before.get(name, 0) + count
+            self._child_pid = status.pid
         self._last_counts = counts
         totals = {name: self._before.get(name, 0) + n for name, n in counts.items()}
         self.refreshes, self.refresh_failures = totals["refreshes"], totals["refresh_failures"]
@@ -405,32 +422,227 @@ class TableProcess(TableWatcher):
                 process.kill()
 
 
+class SharedTableProcess(TableProcess):
+    """A worker's table (KROUTE_WORKERS > 1): the supervisor runs one table process for every
+    worker (`TableKeeper`); this worker connects to it, and connects again when its line ends
+    or goes silent (the supervisor replaces a process that exits or goes silent)."""
+
+    def __init__(
+        self, redis: aioredis.Redis, keys: Keys, *, config: TableConfig, path: Path, **options: Any
+    ) -> None:
+        super().__init__(redis, keys, config=config, **options)
+        self.path = path
+
+    async def _spawn(self) -> None:
+        self._reader, self._writer = await asyncio.open_unix_connection(self.path)
+        self._connected()
+        log.info("connected to the table process", path=str(self.path))
+
+    async def _ended(self) -> int | None:
+        self._close_socket()
+        return None
+
+    ENDED = "the line to the table process ended"
+    SILENT = "the table process is silent on this worker's line"
+
+    def _lost(self, code: int | None) -> str:
+        return f"{self.ENDED}; connecting again"
+
+
+class TableKeeper:
+    """The supervisor's side with KROUTE_WORKERS > 1: one table process for all the workers,
+    so the table's reads from Redis and its upkeep are done once per host, not per worker.
+
+    It binds the socket the workers connect to before any of them starts (a connection made
+    while the process restarts waits in its backlog for the next one), starts the process with
+    it, hears its statuses on a line of its own (statuses only: no table to apply here), and
+    starts another when it exits or goes silent, after a wait that doubles while they die
+    young. A new process is told how many replicas the last one's table placed, so a smaller
+    table read now is held back as a worker's own would be."""
+
+    def __init__(self, config: TableConfig, path: Path) -> None:
+        self.config, self.path = config, path
+        self.listening: socket.socket | None = None
+        self.process: asyncio.subprocess.Process | None = None
+        self.restarts = 0
+        self.status: TableStatus | None = None
+        self._failures_before = 0  # refresh failures of the processes before this one
+
+    def listen(self) -> None:
+        listening = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listening.bind(str(self.path))
+            listening.listen(128)
+        except OSError:
+            listening.close()
+            raise
+        self.listening = listening
+
+    @property
+    def refresh_failures(self) -> int:
+        current = 0 if self.status is None else self.status.refresh_failures
+        return self._failures_before + current
+
+    async def run(self) -> None:
+        wait_s = RESTART_S
+        try:
+            while True:
+                started_s = time.monotonic()
+                code = await self._run_one()
+                young = time.monotonic() - started_s < YOUNG_S
+                wait_s = min(wait_s * 2, MAX_RESTART_S) if young else RESTART_S
+                log.error(
+                    "the workers' table process ended: starting another",
+                    code=code,
+                    next_in_s=wait_s,
+                )
+                await asyncio.sleep(wait_s)
+                self.restarts += 1
+        finally:
+            self._kill()
+            if self.listening is not None:
+                self.listening.close()
+
+    async def _run_one(self) -> int | None:
+        """One process, from its start until it exits, or goes silent (then killed)."""
+        assert self.listening is not None
+        if self.status is not None:  # a new process counts from 0
+            self._failures_before += self.status.refresh_failures
+        placed = 0 if self.status is None else self.status.placed
+        ours, theirs = socket.socketpair()
+        try:
+            self.process = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "proxy.table_process",
+                str(theirs.fileno()),
+                str(os.getpid()),
+                str(self.listening.fileno()),
+                pass_fds=(theirs.fileno(), self.listening.fileno()),
+            )
+        except OSError as exc:
+            ours.close()
+            log.error("cannot start the workers' table process", error=str(exc))
+            return None
+        finally:
+            theirs.close()
+        log.info("the workers' table process started", pid=self.process.pid)
+        reader, writer = await asyncio.open_connection(sock=ours)
+        try:
+            writer.write(frame(pickle.dumps(replace(self.config, placed=placed))))
+            await self._hear(reader)
+        finally:
+            writer.close()
+        return await self._ended()
+
+    async def _hear(self, reader: asyncio.StreamReader) -> None:
+        """Its statuses, until its line ends or it is silent for too long."""
+        heard = False
+        while True:
+            limit = SILENT_S if heard else FIRST_STATUS_S
+            try:
+                async with asyncio.timeout(limit):
+                    payload = await read_frame(reader)
+            except TimeoutError:  # (before OSError: it is one)
+                log.error("the workers' table process is silent: replacing it", silent_s=limit)
+                return
+            except (asyncio.IncompleteReadError, OSError):
+                return
+            feed: Feed = loads(payload)
+            if feed.status is not None:
+                self.status, heard = feed.status, True
+
+    async def _ended(self) -> int | None:
+        process = self.process
+        if process is None:
+            return None
+        try:
+            async with asyncio.timeout(1.0):
+                return await process.wait()
+        except TimeoutError:
+            self._kill()
+            return await process.wait()
+
+    def _kill(self) -> None:
+        process = self.process
+        if process is not None and process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+
+
 # -- the child's side ----------------------------------------------------------------------------
 
 
+@dataclass(eq=False)
+class Subscriber:
+    """One line the table process sends on: a proxy's feed (a worker's, with one process for
+    every worker), or, with no encoder, the supervisor's, which takes the statuses only."""
+
+    write: Callable[[bytes], None]
+    encoder: FeedEncoder | None = field(default_factory=FeedEncoder)
+    writer: asyncio.StreamWriter | None = None  # (None: a test's list)
+
+    def backlog(self) -> int:
+        """Bytes written and not yet taken by the other side."""
+        writer = self.writer
+        return 0 if writer is None else writer.transport.get_write_buffer_size()
+
+
+# A line whose reader has left this much unread (a worker stopped: SIGSTOP, a stuck loop) is
+# dropped, not buffered without end; a worker that connects again gets the whole table.
+MAX_BACKLOG_BYTES = 64 << 20
+Change = ClockMessage | SnapshotMessage
+
+
 class FeedingWatcher(TableWatcher):
-    """The table process's watcher: what it swaps in, and the clocks it moves, go to the
-    proxy as changes; its clock's TIME samples go with each message, for the proxy's clock to
-    observe (the host's monotonic clock is the same in both processes)."""
+    """The table process's watcher: what it swaps in, and the clocks it moves, go to each line
+    (`subscribers`) as changes, encoded per line; its clock's TIME samples go with each
+    message, for the proxy's clock to observe (the host's monotonic clock is the same in
+    both processes)."""
 
     STATS_EVENT = "table process"
 
     def __init__(
-        self, *args: Any, send: Callable[[bytes], None], placed: int = 0, **options: Any
+        self,
+        *args: Any,
+        send: Callable[[bytes], None] | None = None,
+        placed: int = 0,
+        **options: Any,
     ) -> None:
         super().__init__(*args, **options)
-        self._encoder = FeedEncoder()
+        self.subscribers: list[Subscriber] = [] if send is None else [Subscriber(send)]
         self._table.recording_moves = True
-        self._send = send
         self.on_snapshot = self._feed_snapshot
         self._status_sent_s = 0.0
         self._flags_sent: tuple[bool, bool, str | None] | None = None
         self._samples: list[ClockSample] = []
-        self.clock.taps.append(lambda *sample: self._samples.append(sample))
+        self._last_sample: ClockSample | None = None
+        self.clock.taps.append(self._tapped)
         # The table the proxy serves (from an earlier table process): a smaller one read now
         # is held back as the proxy's own would be (`_holding_last_table`).
         self._placed = placed
         self._served_before = placed > 0
+
+    def _tapped(self, reply: tuple[int, int], sent_s: float, received_s: float) -> None:
+        sample = (reply, sent_s, received_s)
+        self._samples.append(sample)
+        self._last_sample = sample
+
+    def subscribe(self, subscriber: Subscriber) -> None:
+        """A new line. Once this process has said it serves (its first status), it gets the
+        whole table now, with the last clock sample; before, with everyone's first."""
+        self.subscribers.append(subscriber)
+        if self._flags_sent is None:
+            return
+        change = None
+        if subscriber.encoder is not None and self.loaded:
+            change = self._snapshot_message(subscriber.encoder, self.snapshot)
+        samples = [] if self._last_sample is None else [self._last_sample]
+        self._write(subscriber, Feed(samples, self.status(), change))
+
+    def unsubscribe(self, subscriber: Subscriber) -> None:
+        if subscriber in self.subscribers:
+            self.subscribers.remove(subscriber)
 
     def status(self) -> TableStatus:
         stats: WatcherStats = self.stats
@@ -445,18 +657,42 @@ class FeedingWatcher(TableWatcher):
             refreshes=self.refreshes,
             refresh_failures=self.refresh_failures,
             counters=counters,
+            pid=os.getpid(),
+            placed=self._placed,
         )
 
     def send(
-        self, change: ClockMessage | SnapshotMessage | None = None, *, status: bool = False
+        self, encode: Callable[[FeedEncoder], Change | None] | None = None, *, status: bool = False
     ) -> None:
-        """`change` with the clock samples taken since the last message, and a status when
-        asked for or wanted (`_status_wanted`)."""
+        """To every line: its change (`encode` with its encoder), the clock samples taken
+        since the last message, and a status when asked for or wanted (`_status_wanted`).
+        The supervisor's line gets the statuses only."""
         current = self.status() if status or self._status_wanted() else None
         if current is not None:
             self._status_sent_s, self._flags_sent = time.monotonic(), self._flags()
         samples, self._samples = self._samples, []
-        self._send(frame(dumps(Feed(samples, current, change))))
+        for subscriber in list(self.subscribers):
+            encoder = subscriber.encoder
+            if encoder is not None:
+                change = None if encode is None else encode(encoder)
+                self._write(subscriber, Feed(samples, current, change))
+            elif current is not None:
+                self._write(subscriber, Feed([], current, None))
+
+    def _write(self, subscriber: Subscriber, feed: Feed) -> None:
+        writer = subscriber.writer
+        if writer is not None and writer.is_closing():
+            self.unsubscribe(subscriber)
+        elif subscriber.backlog() > MAX_BACKLOG_BYTES:
+            log.error(
+                "a line to the table process stopped reading: dropped",
+                unread_bytes=subscriber.backlog(),
+            )
+            self.unsubscribe(subscriber)
+            if writer is not None:
+                writer.transport.abort()  # (close would wait for the backlog to drain)
+        else:
+            subscriber.write(frame(dumps(feed)))
 
     def _status_wanted(self) -> bool:
         """Due (every STATUS_S), or its flags changed since the last one (a failed read makes
@@ -473,11 +709,14 @@ class FeedingWatcher(TableWatcher):
         """What the proxy says of its health from a status (loaded, degraded, last error)."""
         return self.loaded, self.degraded, self.last_error
 
-    def _feed_snapshot(self, snapshot: Any) -> None:
+    def _feed_snapshot(self, snapshot: RoutingSnapshot) -> None:
         self._table.take_clocks_moved()  # the snapshot's message looks at every clock
-        message = self._encoder.snapshot(snapshot, self._table.clocks.values())
+        self.send(lambda encoder: self._snapshot_message(encoder, snapshot), status=True)
+
+    def _snapshot_message(self, encoder: FeedEncoder, snapshot: RoutingSnapshot) -> Change:
+        message = encoder.snapshot(snapshot, self._table.clocks.values())
         message.placed = self._placed
-        self.send(message, status=True)
+        return message
 
     async def _yield(self) -> None:
         # Clocks moved in place reach the proxy before the watcher lets anything else run:
@@ -495,9 +734,9 @@ class FeedingWatcher(TableWatcher):
     def flush(self) -> None:
         """The clocks moved in place since the last message; a message without them only
         when a status is wanted."""
-        moved = self._encoder.moved_clocks(self._table.take_clocks_moved())
+        moved = self._table.take_clocks_moved()
         if moved or self._status_wanted():
-            self.send(ClockMessage(moved) if moved else None)
+            self.send(lambda encoder: _clock_message(encoder.moved_clocks(moved)))
 
     async def run(self) -> None:
         async with asyncio.TaskGroup() as group:
@@ -510,7 +749,16 @@ class FeedingWatcher(TableWatcher):
             self.flush()
 
 
-async def serve(sock: socket.socket, config: TableConfig) -> int:
+def _clock_message(moved: dict[int, int]) -> ClockMessage | None:
+    return ClockMessage(moved) if moved else None
+
+
+async def serve(
+    sock: socket.socket, config: TableConfig, listening: socket.socket | None = None
+) -> int:
+    """Build the table and send it on the line `sock` (the proxy's); with `listening` (the
+    supervisor's socket, KROUTE_WORKERS > 1), to every worker that connects to it, and on
+    `sock` the statuses only."""
     reader, writer = await asyncio.open_connection(sock=sock)
     redis = redis_client(config.redis_url, config.redis_timeout_ms, config.redis_ca_file)
     watcher = FeedingWatcher(
@@ -519,13 +767,18 @@ async def serve(sock: socket.socket, config: TableConfig) -> int:
         refresh_interval_ms=config.refresh_interval_ms,
         networks=config.networks,
         clock=SHARED,
-        send=writer.write,
         placed=config.placed,
     )
+    watcher.subscribe(Subscriber(writer.write, None if listening else FeedEncoder(), writer))
     if config.stability is not None:
         watcher.judge_with(config.stability)  # the renewals are the proxy's
     watcher.freeze_heap = True
     watcher.stall_report_ms = config.stall_report_ms
+    workers = None
+    if listening is not None:  # before the first read: a worker waits for its first table
+        workers = await asyncio.start_unix_server(
+            functools.partial(_feed_worker, watcher), sock=listening
+        )
     await watcher.start()
     watcher.send(status=True)
     running = asyncio.create_task(watcher.run())
@@ -535,6 +788,8 @@ async def serve(sock: socket.socket, config: TableConfig) -> int:
         # an exit the proxy sees as the socket's end, and starts another process for.
         await asyncio.wait({running, commands}, return_when=asyncio.FIRST_COMPLETED)
     finally:
+        if workers is not None:
+            workers.close()
         for task in (running, commands):
             task.cancel()
         await asyncio.gather(running, commands, return_exceptions=True)
@@ -543,6 +798,23 @@ async def serve(sock: socket.socket, config: TableConfig) -> int:
     if failed:
         log.error("table process failed", error=repr(running.exception()))
     return 1 if failed else 0
+
+
+async def _feed_worker(
+    watcher: FeedingWatcher, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> None:
+    """One worker's line, until it closes it: the table, then its changes."""
+    subscriber = Subscriber(writer.write, FeedEncoder(), writer)
+    watcher.subscribe(subscriber)
+    log.info("a worker connected", lines=len(watcher.subscribers))
+    try:
+        await _take_commands(reader, watcher)
+    except OSError:
+        pass
+    finally:
+        watcher.unsubscribe(subscriber)
+        writer.transport.abort()
+        log.info("a worker's line ended", lines=len(watcher.subscribers))
 
 
 async def _take_commands(reader: asyncio.StreamReader, watcher: TableWatcher) -> None:
@@ -564,6 +836,7 @@ def _first_frame(sock: socket.socket) -> bytes:
 
 def main(argv: list[str]) -> int:
     fd, parent_pid = int(argv[0]), int(argv[1])
+    listening_fd = int(argv[2]) if len(argv) > 2 else None  # the supervisor's (shared)
     # The proxy starts and stops this process: a SIGTERM or SIGINT sent to the whole process
     # group (a terminal's Ctrl-C, a service manager) is the proxy's to act on, and the proxy
     # would take this process's exit for a failure while it drains. Gone with the proxy
@@ -586,7 +859,8 @@ def main(argv: list[str]) -> int:
                 error=str(exc),
             )
     sys.setswitchinterval(0.001)
-    return uvloop.run(serve(sock, config))
+    listening = None if listening_fd is None else socket.socket(fileno=listening_fd)
+    return uvloop.run(serve(sock, config, listening))
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import os
 import shutil
 import signal
@@ -46,9 +45,11 @@ from prometheus_client.registry import Collector
 
 from proxy.admin import AdminApp, AdminViews, admin_server
 from proxy.lag_metrics import GAUGES as REPLICA_GAUGES
+from proxy.lifetime import die_with_parent
 from proxy.metrics import WorkerMetrics, parsed_exposition
 from proxy.settings import ProxySettings
 from proxy.status import status_page
+from proxy.table_process import REFRESH_FAILURES_HELP, TableConfig, TableKeeper
 
 log = structlog.get_logger("kroute.proxy.workers")
 
@@ -70,7 +71,6 @@ WATCHDOG_INTERVAL_S = 1.0
 WATCHDOG_MISSES = 3
 WATCHDOG_START_GRACE_S = 10.0
 ASK_TIMEOUT_S = 2.0  # one worker's admin answer; a worker that is slower is left out
-_PR_SET_PDEATHSIG = 1
 
 
 # -- worker side ------------------------------------------------------------------------------
@@ -83,12 +83,16 @@ class WorkerRole:
     index: int
     supervisor_pid: int
     admin_socket: Path
+    # Where the table process shared by every worker listens (KROUTE_TABLE_PROCESS), or None.
+    table_socket: Path | None = None
 
     def argv(self) -> list[str]:
+        shared = [] if self.table_socket is None else ["--table-socket", str(self.table_socket)]
         return [
             "--worker", str(self.index),
             "--supervisor-pid", str(self.supervisor_pid),
             "--admin-socket", str(self.admin_socket),
+            *shared,
         ]  # fmt: skip
 
 
@@ -100,8 +104,9 @@ def worker_role(argv: list[str]) -> WorkerRole | None:
     parser.add_argument("--worker", type=int, required=True)
     parser.add_argument("--supervisor-pid", type=int, required=True)
     parser.add_argument("--admin-socket", type=Path, required=True)
+    parser.add_argument("--table-socket", type=Path, default=None)
     args = parser.parse_args(argv)
-    return WorkerRole(args.worker, args.supervisor_pid, args.admin_socket)
+    return WorkerRole(args.worker, args.supervisor_pid, args.admin_socket, args.table_socket)
 
 
 def die_with_supervisor(role: WorkerRole) -> None:
@@ -111,15 +116,6 @@ def die_with_supervisor(role: WorkerRole) -> None:
     if not die_with_parent(role.supervisor_pid):
         log.error("the proxy's parent exited before this worker started", worker=role.index)
         sys.exit(EXIT_UNCLEAN)
-
-
-def die_with_parent(parent_pid: int, signum: int = signal.SIGTERM) -> bool:
-    """`signum` to this process when its parent dies (PR_SET_PDEATHSIG); False when the parent
-    (`parent_pid`) died before the request was made (the kernel would never send it then)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    return os.getppid() == parent_pid
 
 
 # -- parent side -------------------------------------------------------------------------------
@@ -214,12 +210,16 @@ class WorkerSlot:
 
 
 class Supervisor:
-    def __init__(self, settings: ProxySettings) -> None:
+    def __init__(self, settings: ProxySettings, table: TableConfig | None = None) -> None:
+        """`table`: the table process's settings (KROUTE_TABLE_PROCESS), for the one process
+        that builds the table for every worker (`TableKeeper`)."""
         self.settings = settings
         self._stopping = asyncio.Event()
         self._sockets = Path(tempfile.mkdtemp(prefix="kroute-proxy-"))  # mode 0700
+        self.table = None if table is None else TableKeeper(table, self._sockets / "table.sock")
+        table_socket = None if self.table is None else self.table.path
         self.slots = [
-            WorkerSlot(WorkerRole(i, os.getpid(), self._sockets / f"worker-{i}.sock"))
+            WorkerSlot(WorkerRole(i, os.getpid(), self._sockets / f"worker-{i}.sock", table_socket))
             for i in range(settings.workers)
         ]
         self.metrics = WorkerMetrics(gauge.name for gauge in REPLICA_GAUGES)
@@ -249,6 +249,10 @@ class Supervisor:
             shutil.rmtree(self._sockets, ignore_errors=True)
             return EXIT_BIND
         admin_port = int(admin_socket.getsockname()[1])
+        keeping_table = None
+        if self.table is not None:  # bound before any worker starts and connects to it
+            self.table.listen()
+            keeping_table = asyncio.create_task(self.table.run())
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, self._stopping.set)
@@ -276,6 +280,9 @@ class Supervisor:
             watchdog.cancel()
             await asyncio.gather(watchdog, return_exceptions=True)
             clean = await self._stop_workers(keepers)
+            if keeping_table is not None:  # the workers route on their tables until they exit
+                keeping_table.cancel()
+                await asyncio.gather(keeping_table, return_exceptions=True)
             admin.should_exit = True
             await asyncio.gather(serving_admin, return_exceptions=True)
             for slot in self.slots:
@@ -425,6 +432,17 @@ class Supervisor:
         for slot in self.slots:
             restarts.add_metric([str(slot.role.index)], slot.restarts)
         yield restarts
+        if self.table is not None:
+            yield CounterMetricFamily(
+                "kroute_proxy_table_refresh_failures",
+                REFRESH_FAILURES_HELP,
+                value=self.table.refresh_failures,
+            )
+            yield CounterMetricFamily(
+                "kroute_proxy_table_process_restarts",
+                "The workers' table process restarted after it exited or went silent",
+                value=self.table.restarts,
+            )
 
     def _workers(self) -> list[dict[str, Any]]:
         return [

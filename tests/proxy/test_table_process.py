@@ -6,9 +6,11 @@ proxy (stopped, or killed)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
+import socket
 import time
 import uuid
 from collections.abc import Iterator
@@ -20,8 +22,11 @@ import redis.asyncio as aioredis
 from common.contract import Keys, PartitionAssignment
 from kroute.embedded import EmbeddedServices
 from partitioner import partition, serialize_key
-from proxy.table_feed import SnapshotMessage, loads
-from proxy.table_process import Feed, FeedingWatcher
+from proxy import table_process
+from proxy.choice import Replica
+from proxy.routing import RoutingSnapshot
+from proxy.table_feed import ClockMessage, FeedMirror, SnapshotMessage, loads
+from proxy.table_process import SILENT_S, Feed, FeedingWatcher, Subscriber
 from proxy.watcher import redis_client
 from tests.proxy.conftest import PARTITIONS, PROXY_SETTINGS, StandIns, running_stand_ins
 from tests.proxy.echo_backend import EchoBackend
@@ -128,6 +133,25 @@ def test_a_killed_table_process_is_replaced_and_the_last_table_serves_meanwhile(
     status = stand_ins.proxy.status()
     assert status["proxy"]["table_loaded"] is True
     wait_for(lambda: stand_ins.proxy.status()["proxy"]["degraded"] is False, "degraded cleared")
+
+
+def test_a_silent_table_process_is_replaced(stand_ins):
+    proxy_pid = stand_ins.proxy.process.pid
+    (first,) = table_processes(proxy_pid)
+    os.kill(first, signal.SIGSTOP)
+    try:
+        wait_for(
+            lambda: [p for p in table_processes(proxy_pid) if p != first],
+            "a replacement for the stopped process",
+            limit_s=SILENT_S + 10,
+        )
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(first, signal.SIGCONT)
+    assert "table process silent: replacing it" in stand_ins.proxy.process.log_path.read_text()
+    key = "customer-5"
+    moved_to = move_active(stand_ins, key)
+    wait_for(lambda: read(stand_ins, key) == moved_to, "the replacement's table")
 
 
 def test_the_table_process_stops_with_the_proxy(stand_ins):
@@ -292,3 +316,91 @@ def test_a_failed_read_reaches_the_proxy_at_once():
     assert last.status is not None
     assert last.status.degraded
     assert last.status.last_error == "gone"
+
+
+def _feeds(frames: list[bytes]) -> list[Feed]:
+    return [loads(frame[4:]) for frame in frames]
+
+
+def _mirrored(feeds: list[Feed]) -> RoutingSnapshot:
+    """What a proxy applying these messages serves."""
+    mirror, snapshot = FeedMirror(), None
+    for feed in feeds:
+        if isinstance(feed.change, SnapshotMessage):
+            snapshot = mirror.apply(feed.change)
+        elif isinstance(feed.change, ClockMessage):
+            mirror.move_clocks(feed.change.clocks)
+    assert snapshot is not None, "no table"
+    return snapshot
+
+
+def _replicas(snapshot: RoutingSnapshot) -> dict[str, tuple[tuple[Replica, ...], ...]]:
+    return {name: route.replicas for name, route in snapshot.stores.items()}
+
+
+def test_a_line_opened_later_gets_the_whole_table_at_once_and_the_statuses_line_only_statuses(
+    stand_ins,
+):
+    """With one table process for every worker, a worker connects (or reconnects) at any
+    time: it gets the table as the first line has it, with a status and the last clock
+    sample, and every change after that; the supervisor's line gets the statuses only."""
+    first: list[bytes] = []
+    later: list[bytes] = []
+    statuses: list[bytes] = []
+
+    async def lines() -> None:
+        redis = redis_client(stand_ins.redis_server.url, 1_000, None)
+        watcher = FeedingWatcher(
+            redis, stand_ins.cluster.keys, refresh_interval_ms=60_000, networks=None
+        )
+        watcher.subscribe(Subscriber(first.append))
+        watcher.subscribe(Subscriber(statuses.append, encoder=None))
+        try:
+            await watcher.start()
+            watcher.send(status=True)
+            watcher.subscribe(Subscriber(later.append))
+            move_active(stand_ins, "customer-3")
+            await watcher.refresh()
+        finally:
+            await redis.aclose()
+
+    asyncio.run(lines())
+    joined = _feeds(later)
+    assert isinstance(joined[0].change, SnapshotMessage), "the whole table at once"
+    assert joined[0].status is not None
+    assert joined[0].status.loaded
+    assert joined[0].clock_samples, "with the last clock sample"
+    assert _replicas(_mirrored(joined)) == _replicas(_mirrored(_feeds(first)))
+    chosen = partition(serialize_key("customer-3", "string"), PARTITIONS)
+    moved_to = stand_ins.cluster.placements["customers"][chosen].active
+    assert _mirrored(joined).stores["customers"].replicas[chosen][0].node_id == moved_to
+    assert all(feed.change is None and feed.status is not None for feed in _feeds(statuses))
+    assert len(statuses) >= 2
+
+
+def test_a_line_that_stops_reading_is_dropped_not_buffered_without_end(monkeypatch):
+    """A worker that reads nothing (stopped) would make the table process buffer every
+    change for it: past MAX_BACKLOG_BYTES its line is cut (it reconnects for a new table)."""
+    monkeypatch.setattr(table_process, "MAX_BACKLOG_BYTES", 64 * 1024)
+
+    async def stalled() -> tuple[int, bool]:
+        ours, theirs = socket.socketpair()
+        try:
+            _, writer = await asyncio.open_connection(sock=ours)
+            redis = redis_client("redis://127.0.0.1:1", 100, None)
+            watcher = FeedingWatcher(redis, Keys("t"), refresh_interval_ms=60_000, networks=None)
+            watcher.subscribe(Subscriber(writer.write, writer=writer))
+            watcher.send(status=True)
+            sent = 0
+            while watcher.subscribers and sent < 10_000:
+                watcher.send(status=True)  # nobody reads `theirs`
+                sent += 1
+                await asyncio.sleep(0)
+            await asyncio.sleep(0.05)
+            return sent, writer.transport.is_closing()
+        finally:
+            theirs.close()
+
+    sent, closed = asyncio.run(stalled())
+    assert sent < 10_000, "never dropped"
+    assert closed
