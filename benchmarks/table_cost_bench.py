@@ -138,7 +138,7 @@ def one_turn(
     began and what the round measured. The caller reads the proxy's log, then stops it."""
     proxy = None
     if cluster is not None:
-        settings = {"table_process": "true"} if name in TABLE_PROCESS else {}
+        settings = {"table_process": "true" if name in TABLE_PROCESS else "false"}
         settings["workers"] = str(args.workers)
         if name in ASIDE:  # this process runs off the request path's CPUs (cluster_services)
             settings["table_process_cpus"] = ",".join(map(str, sorted(os.sched_getaffinity(0))))
@@ -258,7 +258,13 @@ def markdown(data: dict[str, Any]) -> str:
         "table process is one for all of them, run by the supervisor): large/small "
         "is what the table "
         "costs a request, "
-        "small-again/small the noise floor of the same comparison, direct the host's own.",
+        "small-again/small the noise floor of the same comparison, direct the host's own."
+        + (
+            " Nothing pinned (no --request-path-cpus): `large-process` and `large-aside` are the "
+            "same proxy, measured twice."
+            if data.get("request_path_cpus") is None
+            else ""
+        ),
         "",
         "| size | proxy | requests | failed | p50 ms | p95 ms | p99 ms (pooled) | median round "
         "p99 ms | round p99s ms | longest loop stall ms | its own CPU ms | longest table hold "

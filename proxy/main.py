@@ -346,7 +346,7 @@ def _watcher(
     """The table's keeper: on this loop, or (KROUTE_TABLE_PROCESS) in a process of its own,
     which the supervisor runs for every worker when there are several."""
     keys = Keys(settings.cluster)
-    if not settings.table_process:
+    if not settings.table_process_on():
         return TableWatcher(
             redis,
             keys,
@@ -437,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
 
     async def run() -> int:  # built inside the loop: collaborators bind to the running loop
         if worker is None and settings.workers > 1:
-            shared = table_config(settings) if settings.table_process else None
+            shared = table_config(settings) if settings.table_process_on() else None
             return await Supervisor(settings, shared).run()
         # Work handed to a thread (rendering the lag gauges, decoding a new assignment) runs
         # Python while the loop waits for the GIL: hand it back every millisecond, not every

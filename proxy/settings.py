@@ -293,12 +293,13 @@ class ProxySettings(EnvSettings):
         description="Serve the common case in C (proxy/_hotpath.c); false sends every request "
         "through the Python path, which behaves the same, about half as fast.",
     )
-    table_process: bool = Field(
-        default=False,
+    table_process: bool | None = Field(
+        default=None,
         description="Build the routing table in a process of its own (it reads Redis, decodes "
         "and rebuilds; the proxy only applies what changed): for tables of thousands of "
         "partitions, whose upkeep otherwise shares the event loop with requests. With "
-        "KROUTE_WORKERS above 1, one such process (run by the supervisor) serves every worker.",
+        "KROUTE_WORKERS above 1, one such process (run by the supervisor) serves every worker. "
+        "Unset: on when KROUTE_WORKERS is above 1, off for one proxy process.",
     )
     table_process_cpus: str | None = Field(
         default=None,
@@ -382,6 +383,13 @@ class ProxySettings(EnvSettings):
 
     def networks(self) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] | None:
         return None if self.allowed_networks is None else parse_networks(self.allowed_networks)
+
+    def table_process_on(self) -> bool:
+        """KROUTE_TABLE_PROCESS, or when unset: one process for all the workers if there are
+        several (their tables' upkeep then leaves their event loops, and Redis is read once
+        per host, not per worker); for one process, off (its own child would share its core
+        unless given one: KROUTE_TABLE_PROCESS_CPUS)."""
+        return self.workers > 1 if self.table_process is None else self.table_process
 
     def table_cpus(self) -> frozenset[int] | None:
         return None if self.table_process_cpus is None else parse_cpus(self.table_process_cpus)

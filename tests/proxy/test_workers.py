@@ -49,6 +49,7 @@ from proxy.workers import (
     merged_status,
 )
 from tests.prometheus_checks import assert_follows_conventions, sample_values
+from tests.proxy.test_shared_table_process import table_processes
 from tests.proxy.third_party import STORE, ThirdPartyServer, start_uvicorn
 
 pytestmark = pytest.mark.integration
@@ -192,7 +193,10 @@ def test_requests_spread_over_both_workers_and_one_scrape_sums_their_counters(cl
     with cluster.proxy() as proxy:
         pids = proxy.worker_pids()
         assert len(pids) == 2
-        assert sorted(children(proxy.process.pid)) == sorted(pids)
+        # KROUTE_TABLE_PROCESS unset: one table process for both workers, the parent's child.
+        tables = table_processes(proxy.process.pid)
+        assert len(tables) == 1
+        assert sorted(children(proxy.process.pid)) == sorted([*pids, *tables])
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
 
             def client_run(_: int) -> list[Answer]:
