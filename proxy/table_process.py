@@ -478,6 +478,18 @@ class TableKeeper:
             raise
         self.listening = listening
 
+    def describe(self) -> dict[str, Any]:
+        """For the supervisor's /cluster/status: the process and what it last said."""
+        process, status = self.process, self.status
+        return {
+            "pid": process.pid if process is not None and process.returncode is None else None,
+            "restarts": self.restarts,
+            "loaded": status is not None and status.loaded,
+            "degraded": status is None or status.degraded,
+            "last_error": None if status is None else status.last_error,
+            "refresh_failures": self.refresh_failures,
+        }
+
     @property
     def refresh_failures(self) -> int:
         current = 0 if self.status is None else self.status.refresh_failures

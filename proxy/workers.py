@@ -466,7 +466,10 @@ class Supervisor:
             for slot, answer in zip(self.slots, answers, strict=True)
             if answer is not None and answer.status_code == 200
         }
-        return merged_status(statuses, self._workers())
+        merged = merged_status(statuses, self._workers())
+        if self.table is not None:
+            merged["table_process"] = self.table.describe()
+        return merged
 
 
 class _Exposition(Collector):

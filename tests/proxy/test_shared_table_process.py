@@ -190,7 +190,11 @@ def test_one_table_process_serves_both_workers_and_their_reads_go_where_redis_sa
             lambda: both_workers_route_to(cluster, proxy, key, moved_to),
             "both workers route by the new active",
         )
-        assert proxy.status()["proxy"]["degraded"] is False
+        status = proxy.status()
+        assert status["proxy"]["degraded"] is False
+        assert status["table_process"]["pid"] == table_processes(supervisor)[0]
+        assert status["table_process"]["restarts"] == 0
+        assert status["table_process"]["loaded"] is True
         text = proxy.admin("/metrics").text
         # Counted once for the host (by the supervisor), not once per worker.
         assert text.count("# TYPE kroute_proxy_table_refresh_failures_total counter") == 1
@@ -223,6 +227,14 @@ def test_a_killed_table_process_is_replaced_and_both_workers_serve_meanwhile(clu
             "both workers route by the new process's table",
         )
         wait_for(lambda: proxy.status()["proxy"]["degraded"] is False, "degraded cleared")
+        assert proxy.status()["table_process"] | {"last_error": None} == {
+            "pid": second,
+            "restarts": 1,
+            "loaded": True,
+            "degraded": False,
+            "last_error": None,
+            "refresh_failures": 0,
+        }
         text = proxy.admin("/metrics").text
         assert sample_values(text, "kroute_proxy_table_process_restarts_total")[()] == 1
         log = proxy.process.log_path.read_text()
