@@ -289,6 +289,9 @@ class RequestHandler:
         for node_id, url in node_urls.items():
             target = old_targets.get(node_id)
             if target is not None and target.url == url and node_id in old_plain:
+                # A passthrough candidate holds its target (this URL), the origin's idle list
+                # and its node's tally, which `forget_nodes` drops only for nodes no longer
+                # registered (not kept here): all still what a new one would hold.
                 targets[node_id], plain[node_id] = target, old_plain[node_id]
                 continue
             parts = urlsplit(url)

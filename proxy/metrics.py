@@ -36,9 +36,12 @@ class ProxyMetrics:
     responses: dict[tuple[str, int], int] = field(default_factory=dict)  # (kind, status)
     latency_counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS_S) + 1))
     latency_sum_s: float = 0.0
-    choices: dict[tuple[str, int, str, str], Tally] = field(default_factory=dict)
+    # Filled by `choice_tally` only (not given at construction): the two stay in step.
+    choices: dict[tuple[str, int, str, str], Tally] = field(default_factory=dict, init=False)
     # The keys of `choices` by node: forgetting a node drops its own, not a pass over all.
-    choice_keys: dict[str, list[tuple[str, int, str, str]]] = field(default_factory=dict)
+    choice_keys: dict[str, list[tuple[str, int, str, str]]] = field(
+        default_factory=dict, init=False
+    )
     node_requests: dict[str, Tally] = field(default_factory=dict)
     node_failures: dict[tuple[str, str], int] = field(default_factory=dict)  # (node, kind)
     failovers: int = 0
