@@ -5,6 +5,7 @@ ProxyError(Exception)
 │   ├── BadRequest       malformed request line, target, header or budget (400)
 │   ├── KeyRejected      a keyed route's key is missing or not valid for the store's format (400)
 │   ├── UnknownStore     no such store in the routing table (404)
+│   ├── NoTable          no routing table read yet (503: Redis or the table process away)
 │   ├── MethodNotAllowed a keyed route takes GET and HEAD only (405)
 │   ├── TooLarge         headers or body over the configured bounds (413 / 431)
 │   ├── ExpectationFailed  an Expect other than 100-continue (417)
@@ -54,6 +55,14 @@ class KeyRejected(RequestRejected):
 class UnknownStore(RequestRejected):
     status = 404
     code = "unknown_store"
+
+
+class NoTable(RequestRejected):
+    """No table read since the proxy started: it cannot tell an unknown store from a known
+    one (a 404 would say the store does not exist); retriable."""
+
+    status = 503
+    code = "no_routing_table"
 
 
 class MethodNotAllowed(RequestRejected):

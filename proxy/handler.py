@@ -46,6 +46,7 @@ from proxy.errors import (
     BadRequest,
     KeyRejected,
     MethodNotAllowed,
+    NoTable,
     RequestRejected,
     UnknownStore,
 )
@@ -364,6 +365,12 @@ class RequestHandler:
             raise _method_not_allowed(request.method)
         snapshot = self.snapshot
         store = snapshot.stores.get(keyed.store)
+        if store is None and snapshot is EMPTY:
+            raise NoTable(
+                "the proxy has not read its routing table yet (Redis, or its table process, "
+                "is not there yet); retry",
+                store=keyed.store,
+            )
         if store is None:
             raise UnknownStore(
                 f"no store named {keyed.store!r} is registered",

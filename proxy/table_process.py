@@ -149,6 +149,9 @@ class TableProcess(TableWatcher):
 
     ENDED = "table process ended"
     SILENT = "table process silent"
+    START_WAIT_S = FIRST_STATUS_S  # how long `start` waits for the first status
+    FIRST_WAIT_S = RESTART_S  # before the next child, doubling up to MAX_WAIT_S
+    MAX_WAIT_S = MAX_RESTART_S
 
     def __init__(
         self,
@@ -174,7 +177,8 @@ class TableProcess(TableWatcher):
         self._child_fields: dict[str, Any] = {}
         self._heard = False  # the current child has sent a status
         self._started_s = 0.0  # when the current child was started
-        self._restart_s = RESTART_S  # the wait before the next one (see _feed)
+        self._restart_s = self.FIRST_WAIT_S  # the wait before the next one (see _feed)
+        self._starting: asyncio.Task[None] | None = None  # the first status awaited (start)
         # Counts from the children before the current one: a new child counts from 0, the
         # proxy's figures (and the benchmarks' differences) never go back.
         self._before: dict[str, int] = {}
@@ -205,10 +209,20 @@ class TableProcess(TableWatcher):
 
     async def start(self) -> None:
         """Start the child and take what it sends until its first status (its first full
-        read, done or failed; FIRST_STATUS_S at most): a child that fails before is
-        replaced by `run`."""
+        read, done or failed; FIRST_STATUS_S at most), or START_WAIT_S: then `run` goes on
+        waiting for it on the same line (the proxy serves without a table meanwhile, not
+        ready). A child that fails before is replaced by `run`."""
         if not await self._spawned():
             return
+        self._starting = asyncio.create_task(self._until_heard())
+        await asyncio.wait({self._starting}, timeout=self.START_WAIT_S)
+        if not self._starting.done():
+            log.warning(
+                "no table from the table process yet: serving without one until it comes",
+                waited_s=self.START_WAIT_S,
+            )
+
+    async def _until_heard(self) -> None:
         while not self._heard:
             if not await self._taken():
                 await self._replace()
@@ -228,9 +242,12 @@ class TableProcess(TableWatcher):
 
     async def _feed(self) -> None:
         try:
+            if self._starting is not None:  # the first status, still awaited (see start)
+                await self._starting
             while True:
                 if self._reader is None:
                     await asyncio.sleep(self._restart_s)
+                    self._restart_s = min(self._restart_s * 2, self.MAX_WAIT_S)
                     self.restarts += 1
                     if not await self._spawned():
                         continue
@@ -238,18 +255,19 @@ class TableProcess(TableWatcher):
                     pass
                 await self._replace()
         finally:
-            if self._renewing is not None:
-                self._renewing.cancel()
+            for task in (self._renewing, self._starting):
+                if task is not None:
+                    task.cancel()
             self._kill()
 
     async def _replace(self) -> None:
         """The child is gone or of no use: route on the last table, degraded, until the next
-        one (after a wait that doubles, up to MAX_RESTART_S, while children die young)."""
+        one (after FIRST_WAIT_S, doubling up to MAX_WAIT_S while children die young)."""
         code = await self._ended()
         self.degraded = True
         self.last_error = self._lost(code)
-        young = time.monotonic() - self._started_s < YOUNG_S
-        self._restart_s = min(self._restart_s * 2, MAX_RESTART_S) if young else RESTART_S
+        if time.monotonic() - self._started_s >= YOUNG_S:
+            self._restart_s = self.FIRST_WAIT_S
         log.error(
             f"{self.ENDED}: routing on the last table",
             code=code,
@@ -444,6 +462,13 @@ class SharedTableProcess(TableProcess):
 
     ENDED = "the line to the table process ended"
     SILENT = "the table process is silent on this worker's line"
+    # Under the supervisor's watchdog's grace for a starting worker (WATCHDOG_START_GRACE_S):
+    # a worker waiting longer for a table process that is not there would be killed as hung.
+    START_WAIT_S = 5.0
+    # Connecting again costs nothing (the supervisor's socket holds the connection until a
+    # table process takes it): soon, so a worker is back on a new process's table at once.
+    FIRST_WAIT_S = 0.25
+    MAX_WAIT_S = 2.0
 
     def _lost(self, code: int | None) -> str:
         return f"{self.ENDED}; connecting again"
@@ -500,27 +525,39 @@ class TableKeeper:
         try:
             while True:
                 started_s = time.monotonic()
-                code = await self._run_one()
-                young = time.monotonic() - started_s < YOUNG_S
-                wait_s = min(wait_s * 2, MAX_RESTART_S) if young else RESTART_S
+                code = await self._run_guarded()
+                if time.monotonic() - started_s >= YOUNG_S:
+                    wait_s = RESTART_S
                 log.error(
                     "the workers' table process ended: starting another",
                     code=code,
                     next_in_s=wait_s,
                 )
                 await asyncio.sleep(wait_s)
+                wait_s = min(wait_s * 2, MAX_RESTART_S)
                 self.restarts += 1
         finally:
             self._kill()
             if self.listening is not None:
                 self.listening.close()
 
+    async def _run_guarded(self) -> int | None:
+        """`_run_one`, whatever fails in it (the keeper must outlive any process)."""
+        try:
+            return await self._run_one()
+        except Exception:
+            log.exception("keeping the workers' table process failed: starting another")
+            self._kill()
+            return None
+
     async def _run_one(self) -> int | None:
         """One process, from its start until it exits, or goes silent (then killed)."""
         assert self.listening is not None
-        if self.status is not None:  # a new process counts from 0
-            self._failures_before += self.status.refresh_failures
-        placed = 0 if self.status is None else self.status.placed
+        status = self.status
+        if status is not None:  # a new process counts from 0: the last one's, kept once
+            self._failures_before += status.refresh_failures
+            self.status = replace(status, refresh_failures=0)
+        placed = 0 if status is None else status.placed
         ours, theirs = socket.socketpair()
         try:
             self.process = await asyncio.create_subprocess_exec(

@@ -251,7 +251,18 @@ class Supervisor:
         admin_port = int(admin_socket.getsockname()[1])
         keeping_table = None
         if self.table is not None:  # bound before any worker starts and connects to it
-            self.table.listen()
+            try:
+                self.table.listen()
+            except OSError as exc:  # (a socket path too long for a long TMPDIR, say)
+                log.error(
+                    "cannot listen for the workers on the table process's socket",
+                    path=str(self.table.path),
+                    error=exc.strerror or str(exc),
+                )
+                reservation.close()
+                admin_socket.close()
+                shutil.rmtree(self._sockets, ignore_errors=True)
+                return EXIT_BIND
             keeping_table = asyncio.create_task(self.table.run())
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):

@@ -9,9 +9,11 @@ so each answer is checked to be this request's own and says which worker forward
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -28,7 +30,8 @@ from kroute.embedded import EmbeddedServices, RedisHandle
 from kroute.proxies import ProxyHandle, start_proxy
 from kroute.static_cluster import StaticCluster
 from partitioner import partition, serialize_key
-from proxy.table_process import SILENT_S
+from proxy.table_process import SILENT_S, TableConfig, TableKeeper, TableStatus
+from proxy.workers import WATCHDOG_INTERVAL_S, WATCHDOG_MISSES, WATCHDOG_START_GRACE_S
 from tests.prometheus_checks import assert_follows_conventions, sample_values
 from tests.proxy.third_party import STORE, ThirdPartyServer, start_uvicorn
 
@@ -55,13 +58,14 @@ class Cluster:
     http: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=10, trust_env=False))
 
     @contextlib.contextmanager
-    def proxy(self, workers: int = 2) -> Iterator[ProxyHandle]:
+    def proxy(self, workers: int = 2, *, wait_ready: bool = True) -> Iterator[ProxyHandle]:
         handle = start_proxy(
             self.embedded,
             self.redis_url,
             name=f"proxy-shared-{uuid.uuid4().hex[:6]}",
             cluster=self.static.keys.cluster,
             workers=workers,
+            wait_ready=wait_ready,
             **SETTINGS,
         )
         try:
@@ -310,3 +314,67 @@ def _zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return True
+
+
+# Loaded by every Python process started with it on PYTHONPATH: the table process (started as
+# `python -m proxy.table_process <fd> <pid> <listening fd>`: only numbers after "-m") exits
+# at once, as one that cannot start would.
+CRASHING_TABLE_PROCESS = """
+import os, sys
+if sys.argv[:1] == ["-m"] and len(sys.argv) == 4 and all(a.isdigit() for a in sys.argv[1:]):
+    os._exit(7)
+"""
+
+
+def test_workers_serve_on_when_the_table_process_cannot_start_and_are_not_killed_as_hung(
+    cluster, tmp_path, monkeypatch
+):
+    """A worker waits a few seconds for its first table, then serves without one (not
+    ready) while the supervisor keeps starting table processes: waiting longer, it would not
+    answer the supervisor's watchdog, and be killed as hung, again and again."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(CRASHING_TABLE_PROCESS)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
+    with cluster.proxy(wait_ready=False) as proxy:
+        # Past the watchdog's grace for starting workers and the misses that kill one.
+        time.sleep(WATCHDOG_START_GRACE_S + WATCHDOG_MISSES * WATCHDOG_INTERVAL_S + 3)
+        status = proxy.status()
+        assert [w["restarts"] for w in status["workers"]] == [0, 0]
+        assert status["table_process"]["restarts"] >= 2
+        assert status["table_process"]["pid"] is None or status["table_process"]["loaded"] is False
+        assert proxy.admin("/health/ready").status_code == 503
+        key = f"s-{uuid.uuid4().hex}"
+        response = cluster.http.get(f"{proxy.url}/stores/{STORE}/keys/{key}", headers=CLOSE)
+        assert response.status_code == 503, response.text
+        assert response.json()["error"] == "no_routing_table"
+        proxy.process.stop(grace_s=20)
+        assert proxy.process.popen.returncode == 0, "every worker drained and stopped"
+    log = proxy.process.log_path.read_text()
+    assert "proxy worker stopped answering" not in log
+    assert "no table from the table process yet: serving without one until it comes" in log
+
+
+def test_the_failures_of_a_replaced_table_process_count_once(tmp_path, monkeypatch):
+    """The supervisor adds the last process's refresh failures to its total when it starts
+    the next: once, however many starts fail before a new process says anything."""
+    keeper = TableKeeper(
+        TableConfig("redis://127.0.0.1:1", 100, None, "c", 1000, None, "info", None),
+        tmp_path / "t.sock",
+    )
+    keeper.listen()
+    keeper.status = TableStatus(True, True, "gone", None, 9, 5, {}, pid=1, placed=12)
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "no-python-here"))
+
+    async def starts() -> list[int]:
+        counts = []
+        for _ in range(3):
+            assert await keeper._run_guarded() is None  # cannot start
+            counts.append(keeper.refresh_failures)
+        return counts
+
+    try:
+        assert asyncio.run(starts()) == [5, 5, 5]
+    finally:
+        assert keeper.listening is not None
+        keeper.listening.close()
