@@ -1,7 +1,8 @@
 """Errors of the proxy: what a client is told, and what an upstream did.
 
 ProxyError(Exception)
-├── RequestRejected      the client's request cannot be served as sent (4xx, never forwarded)
+├── RequestRejected      the client's request cannot be served as sent (never forwarded; 4xx,
+│                        501, or 503 while the proxy has no table)
 │   ├── BadRequest       malformed request line, target, header or budget (400)
 │   ├── KeyRejected      a keyed route's key is missing or not valid for the store's format (400)
 │   ├── UnknownStore     no such store in the routing table (404)

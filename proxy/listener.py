@@ -6,7 +6,8 @@ anything is forwarded: request line plus headers (the target included, counted a
 header count, body size, transfer coding (`chunked` alone; trailers are dropped, never merged
 into the headers), and deadlines kept by one sweeper instead of a timer per request — a whole
 request must arrive within `request_timeout`, an idle keep-alive connection is closed after
-`idle_timeout`. A request the proxy refuses gets a JSON 4xx and is never forwarded.
+`idle_timeout`. A request the proxy refuses gets a JSON error (a 4xx, a 501, or a 503 while it
+has no routing table) and is never forwarded.
 
 Memory per connection is bounded by back-pressure: when the client's unsent answers pass
 WRITE_HIGH_WATER the client is no longer read and a node streaming to it is paused, until

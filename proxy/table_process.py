@@ -149,6 +149,7 @@ class TableProcess(TableWatcher):
 
     ENDED = "table process ended"
     SILENT = "table process silent"
+    CANNOT = "cannot start the table process"
     START_WAIT_S = FIRST_STATUS_S  # how long `start` waits for the first status
     FIRST_WAIT_S = RESTART_S  # before the next child, doubling up to MAX_WAIT_S
     MAX_WAIT_S = MAX_RESTART_S
@@ -216,7 +217,8 @@ class TableProcess(TableWatcher):
             return
         self._starting = asyncio.create_task(self._until_heard())
         await asyncio.wait({self._starting}, timeout=self.START_WAIT_S)
-        if not self._starting.done():
+        # (Not when the wait is the first status's own limit: the child is being replaced.)
+        if not self._starting.done() and self.START_WAIT_S < FIRST_STATUS_S:
             log.warning(
                 "no table from the table process yet: serving without one until it comes",
                 waited_s=self.START_WAIT_S,
@@ -282,8 +284,8 @@ class TableProcess(TableWatcher):
             await self._spawn()
         except OSError as exc:
             self.degraded = True
-            self.last_error = f"cannot start the table process: {exc}"
-            log.error("cannot start the table process: routing on the last table", error=str(exc))
+            self.last_error = f"{self.CANNOT}: {exc}"
+            log.error(f"{self.CANNOT}: routing on the last table", error=str(exc))
             return False
         return True
 
@@ -461,6 +463,7 @@ class SharedTableProcess(TableProcess):
         return None
 
     ENDED = "the line to the table process ended"
+    CANNOT = "cannot connect to the table process"
     SILENT = "the table process is silent on this worker's line"
     # Under the supervisor's watchdog's grace for a starting worker (WATCHDOG_START_GRACE_S):
     # a worker waiting longer for a table process that is not there would be killed as hung.
@@ -576,13 +579,22 @@ class TableKeeper:
         finally:
             theirs.close()
         log.info("the workers' table process started", pid=self.process.pid)
-        reader, writer = await asyncio.open_connection(sock=ours)
+        try:
+            reader, writer = await asyncio.open_connection(sock=ours)
+        except BaseException:
+            ours.close()
+            raise
         try:
             writer.write(frame(pickle.dumps(replace(self.config, placed=placed))))
             await self._hear(reader)
         finally:
             writer.close()
-        return await self._ended()
+        code = await self._ended()
+        if self.status is not None:  # what /cluster/status says until the next one speaks
+            self.status = replace(
+                self.status, degraded=True, last_error=f"table process ended ({code})"
+            )
+        return code
 
     async def _hear(self, reader: asyncio.StreamReader) -> None:
         """Its statuses, until its line ends or it is silent for too long."""
@@ -825,8 +837,10 @@ async def serve(
     watcher.stall_report_ms = config.stall_report_ms
     workers = None
     if listening is not None:  # before the first read: a worker waits for its first table
+        # The socket is the supervisor's, for the next process too: closing this server must
+        # not unlink its path (uvloop, and asyncio from Python 3.13, would by default).
         workers = await asyncio.start_unix_server(
-            functools.partial(_feed_worker, watcher), sock=listening
+            functools.partial(_feed_worker, watcher), sock=listening, cleanup_socket=False
         )
     await watcher.start()
     watcher.send(status=True)
