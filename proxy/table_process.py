@@ -419,15 +419,7 @@ class TableProcess(TableWatcher):
         """The child's exit code, once it has exited (killed if it has not within a second:
         its socket is closed, so it is of no use)."""
         self._close_socket()
-        process = self.process
-        if process is None:
-            return None
-        try:
-            async with asyncio.timeout(1.0):
-                return await process.wait()
-        except TimeoutError:
-            self._kill()
-            return await process.wait()
+        return await _exit_code(self.process)
 
     def _close_socket(self) -> None:
         if self._writer is not None:
@@ -436,10 +428,7 @@ class TableProcess(TableWatcher):
 
     def _kill(self) -> None:
         self._close_socket()
-        process = self.process
-        if process is not None and process.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                process.kill()
+        _kill(self.process)
 
 
 class SharedTableProcess(TableProcess):
@@ -614,21 +603,28 @@ class TableKeeper:
                 self.status, heard = feed.status, True
 
     async def _ended(self) -> int | None:
-        process = self.process
-        if process is None:
-            return None
-        try:
-            async with asyncio.timeout(1.0):
-                return await process.wait()
-        except TimeoutError:
-            self._kill()
-            return await process.wait()
+        return await _exit_code(self.process)
 
     def _kill(self) -> None:
-        process = self.process
-        if process is not None and process.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                process.kill()
+        _kill(self.process)
+
+
+async def _exit_code(process: asyncio.subprocess.Process | None) -> int | None:
+    """The process's exit code once it has exited (killed if it has not within a second)."""
+    if process is None:
+        return None
+    try:
+        async with asyncio.timeout(1.0):
+            return await process.wait()
+    except TimeoutError:
+        _kill(process)
+        return await process.wait()
+
+
+def _kill(process: asyncio.subprocess.Process | None) -> None:
+    if process is not None and process.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()
 
 
 # -- the child's side ----------------------------------------------------------------------------

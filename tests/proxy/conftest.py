@@ -8,6 +8,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import redis
@@ -133,3 +134,20 @@ def stand_ins(embedded: EmbeddedServices) -> Iterator[StandIns]:
     backends = {f"n{i}": EchoBackend(f"n{i}").start() for i in range(3)}
     with running_stand_ins(embedded, redis_server, backends, **PROXY_SETTINGS) as running:
         yield running
+
+
+def table_processes(pid: int) -> list[int]:
+    """`pid`'s children running the table process (by their command line)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            command = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        state, parent = stat.rsplit(")", 1)[1].split()[:2]
+        if int(parent) == pid and b"proxy.table_process" in command and state != "Z":
+            found.append(int(entry.name))
+    return found

@@ -33,6 +33,7 @@ from partitioner import partition, serialize_key
 from proxy.table_process import SILENT_S, TableConfig, TableKeeper, TableStatus
 from proxy.workers import WATCHDOG_INTERVAL_S, WATCHDOG_MISSES, WATCHDOG_START_GRACE_S
 from tests.prometheus_checks import assert_follows_conventions, sample_values
+from tests.proxy.conftest import table_processes
 from tests.proxy.third_party import STORE, ThirdPartyServer, start_uvicorn
 
 pytestmark = pytest.mark.integration
@@ -130,21 +131,18 @@ def lookup(cluster: Cluster, proxy: ProxyHandle, key: str | None = None) -> Answ
     return Answer(body["node"], worker)
 
 
-def table_processes(pid: int) -> list[int]:
-    """`pid`'s children running the table process (by their command line)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            command = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        state, parent = stat.rsplit(")", 1)[1].split()[:2]
-        if int(parent) == pid and b"proxy.table_process" in command and state != "Z":
-            found.append(int(entry.name))
-    return found
+def assert_both_workers_route_new_keys_to_their_owners(
+    cluster: Cluster, proxy: ProxyHandle, reads: int
+) -> None:
+    """`reads` lookups of new keys, each answered by its partition's active, through both
+    workers (one connection per request: the kernel spreads them)."""
+    workers = set()
+    for _ in range(reads):
+        key = f"s-{uuid.uuid4().hex}"
+        answer = lookup(cluster, proxy, key)
+        assert answer.node == cluster.owner(key)
+        workers.add(answer.worker)
+    assert workers == {0, 1}
 
 
 def worker_pids(proxy: ProxyHandle) -> list[int]:
@@ -181,13 +179,7 @@ def test_one_table_process_serves_both_workers_and_their_reads_go_where_redis_sa
         assert len(table_processes(supervisor)) == 1, "the supervisor runs one table process"
         for worker in worker_pids(proxy):
             assert table_processes(worker) == [], "no worker runs its own"
-        workers = set()
-        for _ in range(60):
-            key = f"s-{uuid.uuid4().hex}"
-            answer = lookup(cluster, proxy, key)
-            assert answer.node == cluster.owner(key)
-            workers.add(answer.worker)
-        assert workers == {0, 1}
+        assert_both_workers_route_new_keys_to_their_owners(cluster, proxy, 60)
         key = "moved-1"
         moved_to = cluster.move(key)
         wait_for(
@@ -212,13 +204,7 @@ def test_a_killed_table_process_is_replaced_and_both_workers_serve_meanwhile(clu
         (first,) = table_processes(supervisor)
         os.kill(first, signal.SIGKILL)
         # Served from each worker's last table while no process builds one.
-        workers = set()
-        for _ in range(40):
-            key = f"s-{uuid.uuid4().hex}"
-            answer = lookup(cluster, proxy, key)
-            assert answer.node == cluster.owner(key)
-            workers.add(answer.worker)
-        assert workers == {0, 1}
+        assert_both_workers_route_new_keys_to_their_owners(cluster, proxy, 40)
         (second,) = wait_for(
             lambda: [p for p in table_processes(supervisor) if p != first], "another one"
         )
@@ -288,13 +274,7 @@ def test_a_new_table_process_holds_a_smaller_table_back_as_the_workers_would(clu
                 lambda: "redis describes less than the last table" in log_path.read_text(),
                 "the new table process holding the smaller table back",
             )
-            workers = set()
-            for _ in range(40):
-                key = f"s-{uuid.uuid4().hex}"
-                answer = lookup(cluster, proxy, key)
-                assert answer.node == cluster.owner(key)
-                workers.add(answer.worker)
-            assert workers == {0, 1}
+            assert_both_workers_route_new_keys_to_their_owners(cluster, proxy, 40)
             assert proxy.status()["proxy"]["degraded"] is True
         finally:  # written again whole (its bodies included) for the tests after this one
             cluster.static.report_bodies = ReportBodies()

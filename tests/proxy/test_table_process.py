@@ -28,7 +28,13 @@ from proxy.routing import RoutingSnapshot
 from proxy.table_feed import ClockMessage, FeedMirror, SnapshotMessage, loads
 from proxy.table_process import SILENT_S, Feed, FeedingWatcher, Subscriber
 from proxy.watcher import redis_client
-from tests.proxy.conftest import PARTITIONS, PROXY_SETTINGS, StandIns, running_stand_ins
+from tests.proxy.conftest import (
+    PARTITIONS,
+    PROXY_SETTINGS,
+    StandIns,
+    running_stand_ins,
+    table_processes,
+)
 from tests.proxy.echo_backend import EchoBackend
 
 pytestmark = pytest.mark.integration
@@ -41,23 +47,6 @@ def stand_ins(embedded: EmbeddedServices) -> Iterator[StandIns]:
     backends = {f"n{i}": EchoBackend(f"n{i}").start() for i in range(3)}
     with running_stand_ins(embedded, embedded.start_redis(), backends, **SETTINGS) as running:
         yield running
-
-
-def table_processes(proxy_pid: int) -> list[int]:
-    """The proxy's children running the table process (by their command line)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            command = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        parent = int(stat.rsplit(")", 1)[1].split()[1])
-        if parent == proxy_pid and b"proxy.table_process" in command:
-            found.append(int(entry.name))
-    return found
 
 
 def wait_for(check, what: str, limit_s: float = 10.0):  # type: ignore[no-untyped-def]

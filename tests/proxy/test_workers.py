@@ -49,7 +49,7 @@ from proxy.workers import (
     merged_status,
 )
 from tests.prometheus_checks import assert_follows_conventions, sample_values
-from tests.proxy.test_shared_table_process import table_processes
+from tests.proxy.conftest import table_processes
 from tests.proxy.third_party import STORE, ThirdPartyServer, start_uvicorn
 
 pytestmark = pytest.mark.integration
