@@ -292,14 +292,7 @@ class TableProcess(TableWatcher):
     async def _spawn(self) -> None:
         ours, theirs = socket.socketpair()
         try:
-            self.process = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "proxy.table_process",
-                str(theirs.fileno()),
-                str(os.getpid()),
-                pass_fds=(theirs.fileno(),),
-            )
+            self.process = await _start_table_process(theirs)
         except BaseException:
             ours.close()
             raise
@@ -552,15 +545,7 @@ class TableKeeper:
         placed = 0 if status is None else status.placed
         ours, theirs = socket.socketpair()
         try:
-            self.process = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "proxy.table_process",
-                str(theirs.fileno()),
-                str(os.getpid()),
-                str(self.listening.fileno()),
-                pass_fds=(theirs.fileno(), self.listening.fileno()),
-            )
+            self.process = await _start_table_process(theirs, self.listening)
         except OSError as exc:
             ours.close()
             log.error("cannot start the workers' table process", error=str(exc))
@@ -607,6 +592,19 @@ class TableKeeper:
 
     def _kill(self) -> None:
         _kill(self.process)
+
+
+async def _start_table_process(
+    line: socket.socket, listening: socket.socket | None = None
+) -> asyncio.subprocess.Process:
+    """`python -m proxy.table_process` with its end of `line` (and the workers' listening
+    socket, for one process for every worker): `main` below."""
+    fds = [line.fileno()] if listening is None else [line.fileno(), listening.fileno()]
+    first, *rest = (str(fd) for fd in fds)
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "proxy.table_process", first, str(os.getpid()), *rest,
+        pass_fds=tuple(fds),
+    )  # fmt: skip
 
 
 async def _exit_code(process: asyncio.subprocess.Process | None) -> int | None:

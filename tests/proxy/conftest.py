@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -151,3 +152,14 @@ def table_processes(pid: int) -> list[int]:
         if int(parent) == pid and b"proxy.table_process" in command and state != "Z":
             found.append(int(entry.name))
     return found
+
+
+def wait_for(check: Any, what: str, limit_s: float = 10.0) -> Any:
+    """`check()` once it is true (polled every 50 ms), or a failed assertion naming `what`."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        value = check()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"never: {what}"
+        time.sleep(0.05)

@@ -19,7 +19,6 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -33,7 +32,7 @@ from partitioner import partition, serialize_key
 from proxy.table_process import SILENT_S, TableConfig, TableKeeper, TableStatus
 from proxy.workers import WATCHDOG_INTERVAL_S, WATCHDOG_MISSES, WATCHDOG_START_GRACE_S
 from tests.prometheus_checks import assert_follows_conventions, sample_values
-from tests.proxy.conftest import table_processes
+from tests.proxy.conftest import table_processes, wait_for
 from tests.proxy.third_party import STORE, ThirdPartyServer, start_uvicorn
 
 pytestmark = pytest.mark.integration
@@ -147,16 +146,6 @@ def assert_both_workers_route_new_keys_to_their_owners(
 
 def worker_pids(proxy: ProxyHandle) -> list[int]:
     return [w["pid"] for w in proxy.status()["workers"] if w["pid"] is not None]
-
-
-def wait_for(check: Any, what: str, limit_s: float = 15.0) -> Any:
-    deadline = time.monotonic() + limit_s
-    while True:
-        value = check()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"never: {what}"
-        time.sleep(0.05)
 
 
 def both_workers_route_to(cluster: Cluster, proxy: ProxyHandle, key: str, node: str) -> bool:

@@ -34,6 +34,7 @@ from tests.proxy.conftest import (
     StandIns,
     running_stand_ins,
     table_processes,
+    wait_for,
 )
 from tests.proxy.echo_backend import EchoBackend
 
@@ -47,16 +48,6 @@ def stand_ins(embedded: EmbeddedServices) -> Iterator[StandIns]:
     backends = {f"n{i}": EchoBackend(f"n{i}").start() for i in range(3)}
     with running_stand_ins(embedded, embedded.start_redis(), backends, **SETTINGS) as running:
         yield running
-
-
-def wait_for(check, what: str, limit_s: float = 10.0):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + limit_s
-    while True:
-        value = check()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"never: {what}"
-        time.sleep(0.05)
 
 
 def owner(stand_ins: StandIns, key: str) -> str:
