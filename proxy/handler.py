@@ -349,6 +349,8 @@ class RequestHandler:
         headers = [(b"x-request-id", request.request_id)]
         if exc.status == 405:
             headers.append((b"allow", b"GET, HEAD"))
+        elif exc.status == 503:  # no table yet: the next read of it is at most a second away
+            headers.append((b"retry-after", b"1"))
         client.respond(
             json_response(
                 exc.status,

@@ -30,6 +30,7 @@ def test_a_proxy_without_a_table_answers_503_no_routing_table(embedded: Embedded
         with httpx.Client(timeout=10, trust_env=False) as client:
             answer = client.get(f"{proxy.url}/stores/customers/keys/c-1")
             assert answer.status_code == 503, answer.text
+            assert answer.headers["retry-after"] == "1"
             body = answer.json()
             assert body["error"] == "no_routing_table"
             assert body["store"] == "customers"
